@@ -1,0 +1,83 @@
+"""Trace-time validation of user input, with errors that name the culprit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+
+
+def check_tree_matches(tree: Any, reference: Any, *, name: str, ref_name: str) -> None:
+  """Raises ``ValueError`` naming the first leaf where two trees disagree.
+
+  Structures are compared first (a missing or extra leaf), then shapes.
+
+  Examples:
+    >>> check_tree_matches({'w': jnp.ones(2)}, {'w': jnp.zeros(2)},
+    ...                    name='grads', ref_name='params')
+    >>> check_tree_matches({'w': jnp.ones(3)}, {'w': jnp.zeros(2)},
+    ...                    name='grads', ref_name='params')
+    Traceback (most recent call last):
+      ...
+    ValueError: `grads` leaf ['w'] has shape (3,) but params has shape (2,).
+  """
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  ref_leaves, ref_treedef = jax.tree_util.tree_flatten_with_path(reference)
+  if treedef != ref_treedef:  # type: ignore[operator]  # jaxlib stub gap
+    paths = [jax.tree_util.keystr(p) for p, _ in leaves]
+    ref_paths = [jax.tree_util.keystr(p) for p, _ in ref_leaves]
+    for path in ref_paths:
+      if path not in paths:
+        raise ValueError(f"`{name}` is missing leaf {path} present in {ref_name}.")
+    for path in paths:
+      if path not in ref_paths:
+        raise ValueError(f"`{name}` has leaf {path} that {ref_name} does not have.")
+    raise ValueError(  # Same leaf paths, other node types (tuple vs list).
+      f"`{name}` has the leaves of {ref_name} but another tree structure: "
+      f"{treedef} vs {ref_treedef}."
+    )
+  for (key_path, leaf), (_, ref_leaf) in zip(leaves, ref_leaves, strict=True):
+    if np.shape(leaf) != np.shape(ref_leaf):
+      raise ValueError(
+        f"`{name}` leaf {jax.tree_util.keystr(key_path)} has shape "
+        f"{np.shape(leaf)} but {ref_name} has shape {np.shape(ref_leaf)}."
+      )
+
+
+def check_inexact_leaves(tree: Any, *, name: str) -> None:
+  """Raises ``ValueError`` naming the first leaf that is not floating point."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    dtype = jnp.result_type(leaf)
+    if not jnp.issubdtype(dtype, jnp.inexact):
+      raise ValueError(
+        f"`{name}` leaf {jax.tree_util.keystr(path)} has dtype {dtype}; only "
+        "floating-point leaves can be accumulated. Keep integer state (step "
+        "counters, indices) out of the tree you optimise, or wrap the "
+        "optimizer in `optax.masked` and pass only the trainable subtree."
+      )
+
+
+def scalar(value: ArrayLike, *, name: str, dtype: Any) -> jax.Array:
+  """Returns ``value`` as a scalar array of ``dtype``, or raises ``ValueError``.
+
+  Booleans convert to ``dtype`` only when ``dtype`` is boolean, numbers only
+  when it is numeric, so a mask passed where a count belongs is caught.
+  """
+  src = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
+  want_bool = jnp.issubdtype(dtype, jnp.bool_)
+  ok = (
+    jnp.issubdtype(src, jnp.bool_)
+    if want_bool
+    else (
+      jnp.issubdtype(src, jnp.number) and not jnp.issubdtype(src, jnp.complexfloating)
+    )
+  )
+  if not ok:
+    kind = "a boolean" if want_bool else "a real number"
+    raise ValueError(f"`{name}` must be {kind}, got dtype {src}.")
+  if np.shape(value) != ():
+    raise ValueError(f"`{name}` must be a scalar, got shape {np.shape(value)}.")
+  return jnp.asarray(value).astype(dtype)

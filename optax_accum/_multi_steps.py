@@ -1,0 +1,351 @@
+"""Token-weighted gradient accumulation: a drop-in for ``optax.MultiSteps``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.typing import ArrayLike, DTypeLike
+
+from optax_accum import _checks
+
+GradReduction = Literal["mean", "sum"]
+EveryKSchedule = int | Callable[[jax.Array], ArrayLike]
+ShouldSkipUpdateFn = Callable[..., tuple[ArrayLike, Any]]
+
+#: Extra argument the inner optimizer receives at the end of a window: the
+#: window's total weight (items behind the emitted gradient).
+WINDOW_WEIGHT = "window_weight"
+#: Extra argument the inner optimizer receives at the end of a window: how many
+#: micro-batches the window accumulated.
+WINDOW_MICRO_STEPS = "window_micro_steps"
+
+
+class MultiStepsState(NamedTuple):
+  """State of :class:`MultiSteps`.
+
+  The first fields have the names and meaning of ``optax.MultiStepsState``.
+
+  Attributes:
+    mini_step: int32 ``[]``. Micro-batches accumulated in the current window.
+    gradient_step: int32 ``[]``. Optimizer updates applied so far; a window
+      whose total weight is 0 ends without an update and is not counted.
+    inner_opt_state: State of the wrapped optimizer. Touched only by updates.
+    acc_grads: Like params, in the accumulator dtype. The window's running sum
+      of ``weight * grad`` (``grad_reduction="mean"``) or of ``grad``
+      (``"sum"``).
+    acc_weight: float ``[]``, the accumulator's widest dtype. The window's
+      running sum of weights.
+    updated: bool ``[]``. Whether the last call applied an update.
+    skip_state: Whatever ``should_skip_update_fn`` returned last; ``()``
+      without one.
+  """
+
+  mini_step: jax.Array
+  gradient_step: jax.Array
+  inner_opt_state: optax.OptState
+  acc_grads: optax.Updates
+  acc_weight: jax.Array
+  updated: jax.Array
+  skip_state: Any = ()
+
+
+def _validated_every_k(
+  every_k_schedule: EveryKSchedule,
+) -> Callable[[jax.Array], ArrayLike]:
+  if callable(every_k_schedule):
+    return every_k_schedule
+  if isinstance(every_k_schedule, bool) or not isinstance(
+    every_k_schedule, int | np.integer
+  ):
+    raise ValueError(
+      "`every_k_schedule` must be an int or a callable of the update count, "
+      f"got {every_k_schedule!r} ({type(every_k_schedule).__name__})."
+    )
+  if every_k_schedule < 1:
+    raise ValueError(f"`every_k_schedule` must be >= 1, got {every_k_schedule}.")
+  k = int(every_k_schedule)
+  return lambda step: k
+
+
+class MultiSteps:
+  r"""Accumulates gradients over a window of micro-batches, weighted by items.
+
+  A drop-in for :class:`optax.MultiSteps` that gives exactly the whole-batch
+  gradient when micro-batches hold different numbers of items (tokens,
+  samples). Each call passes one micro-batch's gradient :math:`g_i` and its
+  ``weight`` :math:`w_i`; when the window ends the inner optimizer receives
+
+  .. math::
+    g = \frac{\sum_i w_i\, g_i}{\sum_i w_i}
+
+  (with ``grad_reduction="mean"``: :math:`g_i` is the gradient of the mean
+  loss over the micro-batch's :math:`w_i` items), i.e. the gradient of the
+  token mean over the whole window. With ``grad_reduction="sum"``, :math:`g_i`
+  is the gradient of the summed loss and the numerator is :math:`\sum_i g_i`.
+  Without ``weight`` every micro-batch weighs 1, which is what
+  ``optax.MultiSteps`` computes.
+
+  A window ends after ``every_k_schedule(gradient_step)`` counted micro-batches
+  or on a call with ``end_window=True``. The inner optimizer runs on that call
+  only, and receives the window's total weight and micro-batch count as the
+  extra arguments ``window_weight`` and ``window_micro_steps``. Every other call
+  returns exact zeros and leaves the inner state untouched. A window whose total
+  weight is 0 ends without an update and is not counted in ``gradient_step``.
+
+  What each micro-batch does to the window:
+
+  ========================================  =======================  ========
+  micro-batch                               counts towards ``k``     adds
+  ========================================  =======================  ========
+  ``weight > 0``                            yes                      its grad
+  ``weight == 0`` (all padding)             yes                      nothing
+  ``weight`` negative or not finite         yes                      nothing
+  rejected by ``should_skip_update_fn``     no (as in optax)         nothing
+  ========================================  =======================  ========
+
+  "Adds nothing" is a selection, so a NaN gradient in such a micro-batch never
+  reaches the accumulator, and the accumulator is reset by selection too: a NaN
+  in one window cannot leak into the next.
+
+  Args:
+    opt: The optimizer to run once per window.
+    every_k_schedule: Micro-batches per window: an int ``>= 1``, or a callable
+      of the update count (int32 ``[]``) returning one. A value below 1
+      returned at run time is treated as 1.
+    use_grad_mean: If ``True`` (default) the emitted gradient is divided by
+      the window's total weight; otherwise it is the weighted sum.
+    should_skip_update_fn: Optional ``fn(updates, gradient_step, params) ->
+      (skip, skip_state)`` as in optax; a skipped micro-batch is as if it never
+      happened (only ``skip_state`` changes).
+    accumulator_dtype: Dtype of the accumulator. ``None`` (default) uses
+      float32, or the leaf's own dtype where that is wider (float64).
+    grad_reduction: How the caller reduced each micro-batch's loss over its
+      items: ``"mean"`` (default) or ``"sum"``. ``"sum"`` requires ``weight``.
+
+  Examples:
+    Two micro-batches with 1 and 3 tokens: the emitted gradient is the token
+    mean, not the mean of the two micro-batch means (which would be 2.0).
+
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> opt = optax_accum.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
+    >>> state = opt.init(jnp.zeros(()))
+    >>> u, state = opt.update(jnp.array(1.0), state, weight=1)
+    >>> u, opt.has_updated(state)
+    (Array(0., dtype=float32), Array(False, dtype=bool))
+    >>> u, state = opt.update(jnp.array(3.0), state, weight=3)
+    >>> u, opt.has_updated(state)   # -(1*1 + 3*3) / (1 + 3)
+    (Array(-2.5, dtype=float32), Array(True, dtype=bool))
+
+  References:
+    Unsloth, `Bug fixes in gradient accumulation
+    <https://unsloth.ai/blog/gradient>`_, 2024.
+  """
+
+  def __init__(
+    self,
+    opt: optax.GradientTransformation,
+    every_k_schedule: EveryKSchedule,
+    use_grad_mean: bool = True,
+    should_skip_update_fn: ShouldSkipUpdateFn | None = None,
+    accumulator_dtype: DTypeLike | None = None,
+    *,
+    grad_reduction: GradReduction = "mean",
+  ):
+    if not (hasattr(opt, "init") and hasattr(opt, "update")):
+      raise ValueError(
+        f"`opt` must be an optax.GradientTransformation, got {type(opt).__name__}."
+      )
+    if grad_reduction not in ("mean", "sum"):
+      raise ValueError(
+        f"`grad_reduction` must be 'mean' or 'sum', got {grad_reduction!r}."
+      )
+    if not isinstance(use_grad_mean, bool):
+      raise ValueError(f"`use_grad_mean` must be a bool, got {use_grad_mean!r}.")
+    self._opt = optax.with_extra_args_support(opt)
+    self._every_k_schedule = _validated_every_k(every_k_schedule)
+    self._use_grad_mean = use_grad_mean
+    self._should_skip_update_fn = should_skip_update_fn
+    self._accumulator_dtype = (
+      None if accumulator_dtype is None else jnp.dtype(accumulator_dtype)
+    )
+    self._grad_reduction = grad_reduction
+
+  @property
+  def inner_opt(self) -> optax.GradientTransformationExtraArgs:
+    """The wrapped optimizer (with extra-args support)."""
+    return self._opt
+
+  @property
+  def grad_reduction(self) -> GradReduction:
+    """How the caller reduces each micro-batch's loss: ``"mean"`` or ``"sum"``."""
+    return self._grad_reduction
+
+  def _acc_dtype(self, dtype: Any) -> Any:
+    if self._accumulator_dtype is not None:
+      return self._accumulator_dtype
+    floor = jnp.dtype(
+      jnp.complex64 if jnp.issubdtype(dtype, jnp.complexfloating) else jnp.float32
+    )
+    return dtype if jnp.dtype(dtype).itemsize > floor.itemsize else floor
+
+  def init(self, params: optax.Params) -> MultiStepsState:
+    """Returns the state for a fresh run: an empty window and no updates."""
+    _checks.check_inexact_leaves(params, name="params")
+    acc_grads = jax.tree.map(
+      lambda p: jnp.zeros(jnp.shape(p), self._acc_dtype(jnp.result_type(p))), params
+    )
+    acc_dtypes = [jnp.dtype(a.dtype) for a in jax.tree.leaves(acc_grads)]
+    weight_dtype = max(
+      [jnp.dtype(jnp.float32)]
+      + [d for d in acc_dtypes if jnp.issubdtype(d, jnp.floating)],
+      key=lambda d: d.itemsize,
+    )
+    gradient_step = jnp.zeros([], jnp.int32)
+    skip_state: Any = ()
+    if self._should_skip_update_fn is not None:
+      zeros = jax.tree.map(jnp.zeros_like, params)
+      _, skip_state = self._should_skip_update_fn(zeros, gradient_step, params)
+    return MultiStepsState(
+      mini_step=jnp.zeros([], jnp.int32),
+      gradient_step=gradient_step,
+      inner_opt_state=self._opt.init(params),
+      acc_grads=acc_grads,
+      acc_weight=jnp.zeros([], weight_dtype),
+      updated=jnp.zeros([], jnp.bool_),
+      skip_state=skip_state,
+    )
+
+  def update(
+    self,
+    updates: optax.Updates,
+    state: MultiStepsState,
+    params: optax.Params | None = None,
+    *,
+    weight: ArrayLike | None = None,
+    end_window: ArrayLike | None = None,
+    **extra_args: Any,
+  ) -> tuple[optax.Updates, MultiStepsState]:
+    """Adds one micro-batch to the window; runs the optimizer if it ends it.
+
+    Args:
+      updates: The micro-batch's gradient, a tree like params.
+      state: The current state.
+      params: Current params, forwarded to the inner optimizer.
+      weight: Items (tokens, samples) behind ``updates``; a scalar, traced or
+        not. Defaults to 1. Required with ``grad_reduction="sum"``.
+      end_window: Optional bool scalar, traced or not: end the window with this
+        micro-batch even if it holds fewer than ``k`` micro-batches.
+      **extra_args: Forwarded to the inner optimizer's update.
+
+    Returns:
+      The inner optimizer's updates on the call that ends a window with
+      positive weight, exact zeros on every other call; and the new state.
+    """
+    _checks.check_tree_matches(
+      updates,
+      state.acc_grads,
+      name="updates",
+      ref_name="the accumulator (from init(params))",
+    )
+    weight_dtype = state.acc_weight.dtype
+    if weight is None:
+      if self._grad_reduction == "sum":
+        raise ValueError(
+          "`weight` is required with grad_reduction='sum': the number of "
+          "items behind each summed-loss gradient normalises the window."
+        )
+      weight = 1
+    w = _checks.scalar(weight, name="weight", dtype=weight_dtype)
+    k = jnp.maximum(
+      jnp.asarray(self._every_k_schedule(state.gradient_step)).astype(jnp.int32), 1
+    )
+
+    skip_state = state.skip_state
+    counted = jnp.array(True)
+    if self._should_skip_update_fn is not None:
+      skip, skip_state = self._should_skip_update_fn(
+        updates, state.gradient_step, params
+      )
+      if (jnp.result_type(skip), jnp.shape(skip)) != (jnp.bool_, ()):
+        raise ValueError(
+          "`should_skip_update_fn` must return a bool scalar, got dtype "
+          f"{jnp.result_type(skip)} and shape {jnp.shape(skip)}."
+        )
+      counted = jnp.logical_not(skip)
+
+    # Negative or non-finite weights count towards k but add nothing.
+    adds = counted & jnp.isfinite(w) & (w > 0)
+    w = jnp.where(adds, w, jnp.zeros_like(w))
+    mini_step = jnp.where(
+      counted, optax.safe_increment(state.mini_step), state.mini_step
+    )
+    ends = counted & (mini_step >= k)
+    if end_window is not None:
+      ends = ends | _checks.scalar(end_window, name="end_window", dtype=jnp.bool_)
+
+    def add(acc: jax.Array, grad: jax.Array) -> jax.Array:
+      grad = grad.astype(acc.dtype)
+      if self._grad_reduction == "mean":
+        grad = grad * w.astype(acc.dtype)
+      return jnp.where(adds, acc + grad, acc)
+
+    acc_grads = jax.tree.map(add, state.acc_grads, updates)
+    acc_weight = state.acc_weight + w
+    applies = ends & (acc_weight > 0)
+
+    def apply_update() -> tuple[optax.Updates, optax.OptState]:
+      scale = acc_weight if self._use_grad_mean else jnp.ones_like(acc_weight)
+      grads = jax.tree.map(
+        lambda acc, g: (acc / scale.astype(acc.dtype)).astype(g.dtype),
+        acc_grads,
+        updates,
+      )
+      new_updates, inner = self._opt.update(
+        grads,
+        state.inner_opt_state,
+        params,
+        **extra_args,
+        **{WINDOW_WEIGHT: acc_weight, WINDOW_MICRO_STEPS: mini_step},
+      )
+      # Keep the inner state's dtypes so both branches of the cond agree.
+      inner = jax.tree.map(
+        lambda new, old: jnp.asarray(new).astype(jnp.result_type(old)),
+        inner,
+        state.inner_opt_state,
+      )
+      return new_updates, inner
+
+    def hold() -> tuple[optax.Updates, optax.OptState]:
+      shapes = jax.eval_shape(apply_update)[0]
+      return jax.tree.map(
+        lambda s: jnp.zeros(s.shape, s.dtype), shapes
+      ), state.inner_opt_state
+
+    new_updates, inner_opt_state = jax.lax.cond(applies, apply_update, hold)
+    new_state = MultiStepsState(
+      mini_step=jnp.where(ends, jnp.zeros_like(mini_step), mini_step),
+      gradient_step=jnp.where(
+        applies, optax.safe_increment(state.gradient_step), state.gradient_step
+      ),
+      inner_opt_state=inner_opt_state,
+      acc_grads=jax.tree.map(
+        lambda a: jnp.where(ends, jnp.zeros_like(a), a), acc_grads
+      ),
+      acc_weight=jnp.where(ends, jnp.zeros_like(acc_weight), acc_weight),
+      updated=applies,
+      skip_state=skip_state,
+    )
+    return new_updates, new_state
+
+  def has_updated(self, state: MultiStepsState) -> jax.Array:
+    """Whether the call that produced ``state`` applied an optimizer update."""
+    return state.updated
+
+  def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
+    """This accumulator as an ``optax.GradientTransformationExtraArgs``."""
+    return optax.GradientTransformationExtraArgs(init=self.init, update=self.update)

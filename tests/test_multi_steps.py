@@ -1,0 +1,463 @@
+"""`optax_accum.MultiSteps`: the optax contract, windows, weights and state."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_accum
+
+PARAMS = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.array([0.5, -0.25])}
+
+
+def _grads(i, params=PARAMS, scale=1.0):
+  """A distinct, deterministic gradient tree for micro-step ``i``."""
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(i), len(leaves))
+  return treedef.unflatten(
+    [
+      scale * jax.random.normal(k, jnp.shape(p), jnp.result_type(p))
+      for k, p in zip(keys, leaves, strict=True)
+    ]
+  )
+
+
+def _counting(calls: list) -> optax.GradientTransformation:
+  """An identity transformation that records each time its update executes."""
+
+  def update(updates, state, params=None):
+    del params
+    jax.debug.callback(lambda _: calls.append(1), jax.tree.leaves(updates)[0])
+    return updates, state
+
+  return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+
+def _recording() -> optax.GradientTransformationExtraArgs:
+  """An identity transformation that stores the extra arguments it was given."""
+
+  def init(params):
+    del params
+    return {
+      "window_weight": jnp.zeros([]),
+      "window_micro_steps": jnp.zeros([], jnp.int32),
+      "value": jnp.zeros([]),
+    }
+
+  def update(updates, state, params=None, **extra_args):
+    del params, state
+    return updates, {
+      "window_weight": jnp.asarray(extra_args["window_weight"], jnp.float32),
+      "window_micro_steps": jnp.asarray(extra_args["window_micro_steps"], jnp.int32),
+      "value": jnp.asarray(extra_args["value"], jnp.float32),
+    }
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+# --- Drop-in for optax.MultiSteps ---------------------------------------------
+
+
+@pytest.mark.parametrize("use_grad_mean", [True, False])
+@pytest.mark.parametrize(
+  "every_k",
+  [1, 2, 3, 5, lambda step: jnp.where(step < 2, 2, 3)],
+  ids=["k1", "k2", "k3", "k5", "callable"],
+)
+def test_same_numbers_as_optax_without_weights(every_k, use_grad_mean):
+  adam = optax.adam(0.1)
+  ours = optax_accum.MultiSteps(adam, every_k, use_grad_mean=use_grad_mean)
+  theirs = optax.MultiSteps(adam, every_k, use_grad_mean=use_grad_mean)
+  ours_step = jax.jit(ours.update)
+  theirs_step = jax.jit(theirs.update)
+  p_ours, p_theirs = PARAMS, PARAMS
+  s_ours, s_theirs = ours.init(PARAMS), theirs.init(PARAMS)
+  for i in range(16):
+    u_ours, s_ours = ours_step(_grads(i), s_ours, p_ours)
+    u_theirs, s_theirs = theirs_step(_grads(i), s_theirs, p_theirs)
+    chex.assert_trees_all_close(u_ours, u_theirs, rtol=1e-6, atol=1e-7)
+    assert bool(ours.has_updated(s_ours)) == bool(theirs.has_updated(s_theirs)), i
+    np.testing.assert_array_equal(s_ours.gradient_step, s_theirs.gradient_step)
+    np.testing.assert_array_equal(s_ours.mini_step, s_theirs.mini_step)
+    p_ours = optax.apply_updates(p_ours, u_ours)
+    p_theirs = optax.apply_updates(p_theirs, u_theirs)
+  assert int(s_ours.gradient_step) >= 3
+  chex.assert_trees_all_close(p_ours, p_theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_same_numbers_as_optax_with_skip_function():
+  sgd = optax.sgd(1.0)
+  ours = optax_accum.MultiSteps(sgd, 3, should_skip_update_fn=optax.skip_not_finite)
+  theirs = optax.MultiSteps(sgd, 3, should_skip_update_fn=optax.skip_not_finite)
+  s_ours, s_theirs = ours.init(PARAMS), theirs.init(PARAMS)
+  nan = jax.tree.map(lambda g: g.at[0].set(jnp.nan), _grads(99))
+  stream = [_grads(0), nan, _grads(1), _grads(2), _grads(3), nan, _grads(4), _grads(5)]
+  for grads in stream:
+    u_ours, s_ours = jax.jit(ours.update)(grads, s_ours, PARAMS)
+    u_theirs, s_theirs = jax.jit(theirs.update)(grads, s_theirs, PARAMS)
+    chex.assert_trees_all_close(u_ours, u_theirs, rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_equal(s_ours.skip_state, s_theirs.skip_state)
+  assert int(s_ours.gradient_step) == 2
+  chex.assert_tree_all_finite(s_ours.acc_grads)
+
+
+def test_gradient_transformation_chains_and_forwards_weight():
+  ms = optax_accum.MultiSteps(optax.sgd(1.0), 2)
+  chained = optax.chain(optax.clip_by_global_norm(1e6), ms.gradient_transformation())
+  state = chained.init(PARAMS)
+  _, state = chained.update(_grads(0), state, PARAMS, weight=1)
+  updates, state = chained.update(_grads(1), state, PARAMS, weight=3)
+  expected = jax.tree.map(lambda a, b: -(a + 3 * b) / 4, _grads(0), _grads(1))
+  chex.assert_trees_all_close(updates, expected, rtol=1e-6)
+  assert ms.inner_opt.update is not None and bool(ms.has_updated(state[1]))
+
+
+# --- Windows: the inner optimizer runs once, on the right micro-step ------------
+
+
+def test_inner_optimizer_runs_once_per_window_under_jit():
+  k, windows = 4, 3
+  ours_calls, theirs_calls = [], []
+  ours = optax_accum.MultiSteps(_counting(ours_calls), k)
+  theirs = optax.MultiSteps(_counting(theirs_calls), k)
+  s_ours, s_theirs = ours.init(PARAMS), theirs.init(PARAMS)
+  ours_step, theirs_step = jax.jit(ours.update), jax.jit(theirs.update)
+  for i in range(k * windows):
+    _, s_ours = ours_step(_grads(i), s_ours, PARAMS)
+    _, s_theirs = theirs_step(_grads(i), s_theirs, PARAMS)
+  jax.effects_barrier()
+  assert len(ours_calls) == windows
+  assert len(theirs_calls) == k * windows  # optax 0.2.8 runs it every micro-step.
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+def test_windows_hold_exactly_k_and_mid_steps_change_nothing(k):
+  """F4: the first update comes after exactly k micro-steps, and so does each."""
+  opt = optax_accum.MultiSteps(optax.adamw(0.1), k)
+  step = jax.jit(opt.update)
+  params, state = PARAMS, opt.init(PARAMS)
+  updated = []
+  for i in range(3 * k):
+    before = params
+    updates, state = step(_grads(i), state, params)
+    params = optax.apply_updates(params, updates)
+    updated.append(bool(state.updated))
+    if not state.updated:
+      chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, updates))
+      chex.assert_trees_all_equal(params, before)  # bit-identical
+    else:
+      assert all(
+        bool(jnp.any(a != b))
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(before), strict=True)
+      )
+  assert updated == ([False] * (k - 1) + [True]) * 3
+  assert int(state.gradient_step) == 3 and int(state.mini_step) == 0
+
+
+def test_end_window_closes_a_partial_window_under_jit():
+  opt = optax_accum.MultiSteps(optax.identity(), 4)
+  step = jax.jit(lambda g, s, w, end: opt.update(g, s, weight=w, end_window=end))
+  state = opt.init(PARAMS)
+  _, state = step(_grads(0), state, 2, False)
+  out, state = step(_grads(1), state, 6, True)  # Early end, traced flag.
+  expected = jax.tree.map(lambda a, b: (2 * a + 6 * b) / 8, _grads(0), _grads(1))
+  chex.assert_trees_all_close(out, expected, rtol=1e-6)
+  assert bool(state.updated) and int(state.mini_step) == 0
+  # The next window is a full k = 4 again.
+  flags = []
+  for i in range(4):
+    _, state = step(_grads(i), state, 1, False)
+    flags.append(bool(state.updated))
+  assert flags == [False, False, False, True]
+
+
+def test_inner_optimizer_receives_window_totals_and_extra_args():
+  opt = optax_accum.MultiSteps(_recording(), 3)
+  state = opt.init(PARAMS)
+  for i, w in enumerate([5, 0, 7]):
+    _, state = opt.update(_grads(i), state, weight=w, value=jnp.float32(i))
+  inner = state.inner_opt_state
+  assert float(inner[optax_accum.WINDOW_WEIGHT]) == 12.0
+  assert int(inner[optax_accum.WINDOW_MICRO_STEPS]) == 3
+  assert float(inner["value"]) == 2.0
+
+
+def test_no_recompilation_across_windows():
+  opt = optax_accum.MultiSteps(optax.adamw(0.1), 3)
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(grads, state, params, weight, end_window):
+    return opt.update(grads, state, params, weight=weight, end_window=end_window)
+
+  state = opt.init(PARAMS)
+  for i in range(9):
+    _, state = step(_grads(i), state, PARAMS, jnp.float32(i + 1), jnp.array(i == 4))
+  # Windows: micro-steps 0-2, 3-4 (ended early), 5-7, and 8 still open.
+  assert int(state.gradient_step) == 3 and int(state.mini_step) == 1
+
+
+# --- Weights --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_grad_mean", [True, False])
+def test_weighted_mean_and_weighted_sum(use_grad_mean):
+  opt = optax_accum.MultiSteps(optax.identity(), 3, use_grad_mean=use_grad_mean)
+  state = opt.init(PARAMS)
+  weights = [1.0, 10.0, 3.0]
+  for i, w in enumerate(weights):
+    out, state = opt.update(_grads(i), state, weight=w)
+  total = sum(
+    w * g for w, g in zip(weights, [_grads(i)["w"] for i in range(3)], strict=True)
+  )
+  expected = total / sum(weights) if use_grad_mean else total
+  np.testing.assert_allclose(out["w"], expected, rtol=1e-6)
+
+
+def test_sum_reduction_divides_by_total_weight_only():
+  opt = optax_accum.MultiSteps(optax.identity(), 2, grad_reduction="sum")
+  state = opt.init(PARAMS)
+  _, state = opt.update(_grads(0), state, weight=4)
+  out, state = opt.update(_grads(1), state, weight=12)
+  np.testing.assert_allclose(
+    out["b"], (_grads(0)["b"] + _grads(1)["b"]) / 16, rtol=1e-6
+  )
+  assert opt.grad_reduction == "sum"
+
+
+def test_zero_weight_window_applies_nothing_and_is_not_counted():
+  opt = optax_accum.MultiSteps(optax.adamw(0.1), 2)
+  state = opt.init(PARAMS)
+  _, state = opt.update(_grads(0), state, PARAMS, weight=1)
+  _, state = opt.update(_grads(1), state, PARAMS, weight=1)
+  inner_before = state.inner_opt_state
+  # A window of two all-padding micro-batches: 0/0 gives NaN gradients.
+  nan = jax.tree.map(lambda g: jnp.full_like(g, jnp.nan), _grads(2))
+  for _ in range(2):
+    updates, state = opt.update(nan, state, PARAMS, weight=0)
+    chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, updates))
+  assert (
+    not bool(state.updated)
+    and int(state.gradient_step) == 1
+    and int(state.mini_step) == 0
+  )
+  chex.assert_trees_all_equal(state.inner_opt_state, inner_before)
+  chex.assert_trees_all_equal(
+    state.acc_grads, jax.tree.map(jnp.zeros_like, state.acc_grads)
+  )
+  # The next window is clean.
+  _, state = opt.update(_grads(3), state, PARAMS, weight=1)
+  updates, state = opt.update(_grads(4), state, PARAMS, weight=1)
+  chex.assert_tree_all_finite(updates)
+  assert int(state.gradient_step) == 2
+
+
+@pytest.mark.parametrize("bad", [-3.0, float("nan"), float("inf")])
+def test_bad_weight_counts_towards_k_but_adds_nothing(bad):
+  opt = optax_accum.MultiSteps(optax.identity(), 3)
+  state = opt.init(PARAMS)
+  _, state = opt.update(_grads(0), state, weight=2)
+  _, state = opt.update(
+    jax.tree.map(lambda g: g * jnp.nan, _grads(1)), state, weight=bad
+  )
+  out, state = opt.update(_grads(2), state, weight=6)
+  assert bool(state.updated)
+  expected = jax.tree.map(lambda a, b: (2 * a + 6 * b) / 8, _grads(0), _grads(2))
+  chex.assert_trees_all_close(out, expected, rtol=1e-6)
+
+
+def test_nan_window_does_not_leak_into_the_next():
+  """F8: reset by selection. optax 0.2.8 multiplies by 0 and stays NaN forever."""
+  poisoned = jax.tree.map(lambda g: g.at[0].set(jnp.nan), _grads(0))
+  stream = [poisoned, _grads(1), _grads(2), _grads(3)]
+  ours = optax_accum.MultiSteps(optax.identity(), 2)
+  theirs = optax.MultiSteps(optax.identity(), 2)
+  s_ours, s_theirs = ours.init(PARAMS), theirs.init(PARAMS)
+  for grads in stream:
+    u_ours, s_ours = ours.update(grads, s_ours)
+    u_theirs, s_theirs = theirs.update(grads, s_theirs)
+  expected = jax.tree.map(lambda a, b: (a + b) / 2, _grads(2), _grads(3))
+  chex.assert_trees_all_close(u_ours, expected, rtol=1e-6)
+  assert not bool(jnp.all(jnp.isfinite(u_theirs["w"])))  # What we fix.
+
+
+# --- Dtypes ---------------------------------------------------------------------
+
+
+def test_bf16_params_get_bf16_gradients_from_a_float32_accumulator():
+  """F9: 64 terms of 1 + 2**-9 sum exactly in float32 but not in bfloat16."""
+  params = {"w": jnp.zeros((4,), jnp.bfloat16)}
+  grad = {"w": jnp.full((4,), 1.0 + 2.0**-9, jnp.float32).astype(jnp.bfloat16)}
+  small = {"w": jnp.full((4,), 2.0**-9, jnp.bfloat16)}
+  results = {}
+  for acc_dtype in (None, jnp.bfloat16):
+    opt = optax_accum.MultiSteps(
+      optax.identity(), 64, use_grad_mean=False, accumulator_dtype=acc_dtype
+    )
+    state = opt.init(params)
+    assert state.acc_grads["w"].dtype == (
+      jnp.float32 if acc_dtype is None else jnp.bfloat16
+    )
+    for i in range(64):
+      out, state = jax.jit(opt.update)(grad if i == 0 else small, state)
+    assert out["w"].dtype == jnp.bfloat16
+    results[acc_dtype] = float(out["w"][0])
+  exact = float(grad["w"][0]) + 63 * 2.0**-9
+  assert abs(results[None] - exact) <= 2.0**-7 * exact  # One bf16 rounding.
+  assert abs(results[jnp.bfloat16] - exact) > 0.05  # bf16 sums drop the small terms.
+
+
+def test_float64_params_keep_a_float64_accumulator():
+  with jax.enable_x64(True):
+    opt = optax_accum.MultiSteps(optax.identity(), 2)
+    state = opt.init({"w": jnp.zeros(3, jnp.float64)})
+    assert state.acc_grads["w"].dtype == jnp.float64
+    assert state.acc_weight.dtype == jnp.float64
+
+
+def test_update_needs_no_implicit_promotion():
+  """Our own code under strict promotion: mixed leaves, int and float weights."""
+  params = {"a": jnp.zeros(3, jnp.float32), "b": jnp.zeros(2, jnp.bfloat16)}
+  opt = optax_accum.MultiSteps(optax.identity(), 2)
+  with jax.numpy_dtype_promotion("strict"):
+    state = opt.init(params)
+    _, state = jax.jit(opt.update)(
+      jax.tree.map(jnp.ones_like, params), state, weight=jnp.int32(3)
+    )
+    out, state = jax.jit(opt.update)(
+      jax.tree.map(jnp.ones_like, params), state, weight=2.5
+    )
+  assert out["b"].dtype == jnp.bfloat16 and bool(state.updated)
+  np.testing.assert_allclose(out["a"], 1.0)
+
+
+# --- State and errors -----------------------------------------------------------
+
+
+def test_state_fields():
+  state = optax_accum.MultiSteps(optax.sgd(1.0), 2).init(PARAMS)
+  assert state._fields == (
+    "mini_step",
+    "gradient_step",
+    "inner_opt_state",
+    "acc_grads",
+    "acc_weight",
+    "updated",
+    "skip_state",
+  )
+  assert state.mini_step.dtype == state.gradient_step.dtype == jnp.int32
+  assert state.acc_weight.dtype == jnp.float32 and state.updated.dtype == jnp.bool_
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "match"),
+  [
+    ({"every_k_schedule": 0}, r"`every_k_schedule` must be >= 1, got 0"),
+    ({"every_k_schedule": -2}, r"`every_k_schedule` must be >= 1, got -2"),
+    ({"every_k_schedule": 2.0}, r"`every_k_schedule` must be an int.*2\.0"),
+    ({"every_k_schedule": True}, r"`every_k_schedule` must be an int"),
+    ({"every_k_schedule": "4"}, r"`every_k_schedule` must be an int"),
+    (
+      {"every_k_schedule": 2, "grad_reduction": "avg"},
+      r"`grad_reduction` must be 'mean' or 'sum', got 'avg'",
+    ),
+    ({"every_k_schedule": 2, "use_grad_mean": 1}, r"`use_grad_mean` must be a bool"),
+  ],
+)
+def test_constructor_errors_name_the_argument(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    optax_accum.MultiSteps(optax.sgd(1.0), **kwargs)
+
+
+def test_opt_must_be_a_gradient_transformation():
+  with pytest.raises(
+    ValueError, match=r"`opt` must be an optax.GradientTransformation"
+  ):
+    optax_accum.MultiSteps(optax.sgd, 2)  # The factory, not the transformation.
+
+
+@pytest.mark.parametrize(
+  ("weight", "match"),
+  [
+    (jnp.ones(2), r"`weight` must be a scalar, got shape \(2,\)"),
+    ("12", r"`weight` must be a real number, got dtype <U2"),
+    (jnp.array(True), r"`weight` must be a real number, got dtype bool"),
+  ],
+)
+def test_bad_weight_raises_at_trace_time(weight, match):
+  opt = optax_accum.MultiSteps(optax.sgd(1.0), 2)
+  with pytest.raises(ValueError, match=match):
+    opt.update(_grads(0), opt.init(PARAMS), weight=weight)
+
+
+def test_sum_reduction_requires_weight():
+  opt = optax_accum.MultiSteps(optax.sgd(1.0), 2, grad_reduction="sum")
+  with pytest.raises(
+    ValueError, match=r"`weight` is required with grad_reduction='sum'"
+  ):
+    opt.update(_grads(0), opt.init(PARAMS))
+
+
+@pytest.mark.parametrize(
+  ("grads", "match"),
+  [
+    ({"w": jnp.zeros((2, 3))}, r"`updates` is missing leaf \['b'\]"),
+    ({**PARAMS, "c": jnp.zeros(1)}, r"`updates` has leaf \['c'\]"),
+    (
+      {"w": jnp.zeros((3, 2)), "b": jnp.zeros(2)},
+      r"`updates` leaf \['w'\] has shape \(3, 2\)",
+    ),
+  ],
+)
+def test_gradient_tree_mismatch_names_the_first_path(grads, match):
+  opt = optax_accum.MultiSteps(optax.sgd(1.0), 2)
+  with pytest.raises(ValueError, match=match):
+    jax.jit(opt.update)(grads, opt.init(PARAMS))
+
+
+def test_integer_params_are_rejected_with_their_path():
+  opt = optax_accum.MultiSteps(optax.sgd(1.0), 2)
+  with pytest.raises(ValueError, match=r"`params` leaf \['step'\] has dtype int32"):
+    opt.init({"w": jnp.zeros(2), "step": jnp.zeros([], jnp.int32)})
+
+
+def test_end_window_must_be_a_bool_scalar():
+  opt = optax_accum.MultiSteps(optax.sgd(1.0), 2)
+  with pytest.raises(ValueError, match=r"`end_window` must be a boolean"):
+    opt.update(_grads(0), opt.init(PARAMS), end_window=1.0)
+
+
+def test_run_time_k_below_one_means_every_micro_step():
+  opt = optax_accum.MultiSteps(optax.identity(), lambda step: jnp.int32(0))
+  state = opt.init(PARAMS)
+  _, state = opt.update(_grads(0), state)
+  assert bool(state.updated) and int(state.gradient_step) == 1
+
+
+# --- chex variants --------------------------------------------------------------
+
+
+class VariantsTest(chex.TestCase):
+  """One window of three weighted micro-steps, under each execution variant."""
+
+  @chex.variants(with_jit=True, without_jit=True, with_device=True, with_pmap=True)
+  def test_window_is_the_weighted_mean(self):
+    if jax.device_count() < 2 and self.variant.type == chex.ChexVariantType.WITH_PMAP:
+      self.skipTest("with_pmap needs more than one device")
+    opt = optax_accum.MultiSteps(optax.sgd(1.0), 3)
+    step = self.variant(functools.partial(opt.update, params=None))
+    state = opt.init(PARAMS)
+    weights = [3.0, 1.0, 4.0]
+    flags = []
+    for i, w in enumerate(weights):
+      out, state = step(_grads(i), state, weight=jnp.float32(w))
+      flags.append(bool(state.updated))
+    expected = jax.tree.map(
+      lambda a, b, c: -(3 * a + b + 4 * c) / 8, _grads(0), _grads(1), _grads(2)
+    )
+    self.assertEqual(flags, [False, False, True])
+    chex.assert_trees_all_close(out, expected, rtol=1e-6)

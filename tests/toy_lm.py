@@ -1,0 +1,90 @@
+"""A tiny language model on variable-length, padded batches, for the tests.
+
+Sequences have random lengths from 1 to ``seq_len``; the rest is padding and
+masked out. The loss is per-token cross-entropy, reduced over valid tokens.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+VOCAB = 11
+WIDTH = 8
+
+
+def init_params(seed: int = 0, dtype=jnp.float32) -> dict[str, jax.Array]:
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  return {
+    "embed": jax.random.normal(k1, (VOCAB, WIDTH), dtype),
+    "head": {
+      "w": (jax.random.normal(k2, (WIDTH, VOCAB), dtype) / WIDTH**0.5),
+      "b": jnp.zeros((VOCAB,), dtype),
+    },
+  }
+
+
+def make_batch(seed: int, batch: int = 28, seq_len: int = 16) -> dict[str, np.ndarray]:
+  """Random tokens with lengths that vary strongly between sequences."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, VOCAB, size=(batch, seq_len + 1))
+  # Half the sequences are short, half long: token counts per micro-batch vary.
+  lengths = np.where(
+    rng.random(batch) < 0.5,
+    rng.integers(1, 4, size=batch),
+    rng.integers(seq_len // 2, seq_len + 1, size=batch),
+  )
+  mask = np.arange(seq_len)[None, :] < lengths[:, None]
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask}
+
+
+def split(batch: dict[str, np.ndarray], k: int) -> list[dict[str, np.ndarray]]:
+  """Splits a batch into ``k`` equal micro-batches along the batch axis."""
+  return [{n: np.split(v, k)[i] for n, v in batch.items()} for i in range(k)]
+
+
+def token_losses(params, batch) -> tuple[jax.Array, jax.Array]:
+  """Per-token cross-entropy and the float mask of valid tokens."""
+  dtype = params["embed"].dtype
+  hidden = jnp.tanh(params["embed"][batch["inputs"]])
+  logits = hidden @ params["head"]["w"] + params["head"]["b"][None, None, :]
+  if jnp.dtype(dtype).itemsize < 4:  # bf16 params: softmax in float32.
+    logits = logits.astype(jnp.float32)
+  logp = jax.nn.log_softmax(logits)
+  nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+  mask = jnp.asarray(batch["mask"]).astype(nll.dtype)
+  return nll * mask, mask
+
+
+def mean_loss(params, batch) -> tuple[jax.Array, jax.Array]:
+  """Token-mean loss and the number of valid tokens: ``(loss, weight)``."""
+  losses, mask = token_losses(params, batch)
+  weight = mask.sum()
+  return losses.sum() / weight, weight
+
+
+def sum_loss(params, batch) -> tuple[jax.Array, jax.Array]:
+  """Summed loss over valid tokens and their number: ``(loss, weight)``."""
+  losses, mask = token_losses(params, batch)
+  return losses.sum(), mask.sum()
+
+
+def grad_and_weight(loss_fn, params, batch):
+  grads, weight = jax.grad(loss_fn, has_aux=True)(params, batch)
+  return grads, weight
+
+
+def rel_error(a, b) -> float:
+  """``||a - b|| / ||b||`` over whole trees (global 2-norm)."""
+  diff = jax.tree.map(lambda x, y: x.astype(y.dtype) - y, a, b)
+  return float(optax.tree.norm(diff) / optax.tree.norm(b))
+
+
+def max_rel_diff(a, b) -> float:
+  """Largest ``max|a - b| / max|b|`` over the leaves of two trees."""
+  return max(
+    float(jnp.max(jnp.abs(x.astype(y.dtype) - y)) / jnp.max(jnp.abs(y)))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+  )
