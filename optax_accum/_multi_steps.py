@@ -289,7 +289,7 @@ class MultiSteps:
       ends = ends | _checks.scalar(end_window, name="end_window", dtype=jnp.bool_)
 
     def add(acc: jax.Array, grad: jax.Array) -> jax.Array:
-      grad = grad.astype(acc.dtype)
+      grad = jnp.asarray(grad).astype(acc.dtype)
       if self._grad_reduction == "mean":
         grad = grad * w.astype(acc.dtype)
       return jnp.where(adds, acc + grad, acc)
@@ -301,7 +301,7 @@ class MultiSteps:
     def apply_update() -> tuple[optax.Updates, optax.OptState]:
       scale = acc_weight if self._use_grad_mean else jnp.ones_like(acc_weight)
       grads = jax.tree.map(
-        lambda acc, g: (acc / scale.astype(acc.dtype)).astype(g.dtype),
+        lambda acc, g: (acc / scale.astype(acc.dtype)).astype(jnp.result_type(g)),
         acc_grads,
         updates,
       )

@@ -1,0 +1,159 @@
+"""Schedules whose argument is real progress: applied updates or items consumed."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_accum._multi_steps import WINDOW_WEIGHT
+
+ProgressUnit = Literal["updates", "weight"]
+
+
+class ProgressState(NamedTuple):
+  """State of a :func:`progress_schedule`.
+
+  Items consumed are ``whole * per_update + remainder``: an integer count of
+  nominal updates plus a float remainder below ``per_update``, so the progress
+  stays exact long after a float32 or int32 running total would not.
+
+  Attributes:
+    updates: int32 ``[]``. Optimizer updates applied (windows with positive
+      weight).
+    whole: int32 ``[]``. Whole multiples of ``per_update`` items consumed
+      (0 unless ``unit="weight"``).
+    remainder: float ``[]``. Items consumed beyond ``whole * per_update``, in
+      ``[0, per_update)``.
+  """
+
+  updates: jax.Array
+  whole: jax.Array
+  remainder: jax.Array
+
+
+class ProgressSchedule:
+  """A stateful schedule (``optax.StatefulSchedule``) counting real progress.
+
+  Build it with :func:`progress_schedule`.
+  """
+
+  def __init__(
+    self, schedule: optax.Schedule, unit: ProgressUnit, per_update: float | None
+  ):
+    self.schedule = schedule
+    self.unit = unit
+    self.per_update = per_update
+
+  def init(self) -> ProgressState:
+    """No updates applied, no items consumed."""
+    dtype = jnp.asarray(0.0).dtype  # float64 under jax_enable_x64.
+    zero = jnp.zeros([], jnp.int32)
+    return ProgressState(updates=zero, whole=zero, remainder=jnp.zeros([], dtype))
+
+  def update(self, state: ProgressState, **extra_args: Any) -> ProgressState:
+    """Counts one optimizer call: an update unless ``window_weight`` is 0."""
+    weight = extra_args.get(WINDOW_WEIGHT)
+    if weight is None:
+      if self.unit == "weight":
+        raise ValueError(
+          "progress_schedule(unit='weight') needs the extra argument "
+          f"`{WINDOW_WEIGHT}` (items in the window an update ends): run the "
+          "optimizer inside optax_accum.MultiSteps, or pass it yourself."
+        )
+      return state._replace(updates=optax.safe_increment(state.updates))
+    weight = jnp.asarray(weight).astype(state.remainder.dtype)
+    applied = jnp.isfinite(weight) & (weight > 0)
+    updates = jnp.where(applied, optax.safe_increment(state.updates), state.updates)
+    if self.per_update is None:
+      return state._replace(updates=updates)
+    per_update = jnp.asarray(self.per_update, state.remainder.dtype)
+    remainder = state.remainder + jnp.where(applied, weight, jnp.zeros_like(weight))
+    carry = jnp.floor(remainder / per_update)
+    return ProgressState(
+      updates=updates,
+      whole=state.whole + carry.astype(jnp.int32),
+      remainder=jnp.maximum(remainder - carry * per_update, 0),
+    )
+
+  def progress(self, state: ProgressState) -> jax.Array:
+    """The schedule's argument: updates (int32), or items / ``per_update``."""
+    if self.unit == "updates":
+      return state.updates
+    per_update = jnp.asarray(self.per_update, state.remainder.dtype)
+    return state.whole.astype(state.remainder.dtype) + state.remainder / per_update
+
+  def __call__(self, state: ProgressState, **extra_args: Any) -> jax.Array:
+    """The schedule's value for the next update."""
+    del extra_args
+    return jnp.asarray(self.schedule(self.progress(state)))
+
+
+def progress_schedule(
+  schedule: optax.Schedule,
+  *,
+  unit: ProgressUnit = "updates",
+  per_update: float | None = None,
+) -> ProgressSchedule:
+  """Makes ``schedule`` count real optimizer updates, or items consumed.
+
+  The result is an ``optax.StatefulSchedule``: pass it to
+  ``optax.inject_hyperparams`` (or ``inject_stateful_hyperparams``) in place of
+  a plain schedule. Its argument is
+
+  - ``unit="updates"``: the number of optimizer updates actually applied, so
+    update ``n`` uses ``schedule(n)`` however many micro-batches it took;
+  - ``unit="weight"``: items consumed (the ``window_weight`` of each update)
+    divided by ``per_update``, the nominal items per update, so the curve
+    follows data whatever a dynamic batcher does with window sizes.
+
+  Inside :class:`optax_accum.MultiSteps` the optimizer runs once per window and
+  receives ``window_weight``; nothing else is needed. A loop that calls the
+  optimizer on every micro-step passes ``window_weight=`` itself: the window's
+  items on the call that ends it, 0 on every other call. Calls with
+  ``window_weight`` 0 (or negative, or not finite) count nothing, so the value
+  stays constant within a window. Without ``window_weight`` every call counts
+  as one update (``unit="updates"`` only).
+
+  Args:
+    schedule: Any optax schedule or callable of the (float or int) progress.
+    unit: ``"updates"`` (default) or ``"weight"``.
+    per_update: Nominal items (tokens, samples) per update; required with
+      ``unit="weight"`` and only allowed there.
+
+  Returns:
+    An ``optax.StatefulSchedule`` with state :class:`ProgressState`.
+
+  Examples:
+    >>> import optax, optax_accum
+    >>> lr = optax_accum.progress_schedule(optax.linear_schedule(1.0, 0.0, 4))
+    >>> opt = optax_accum.MultiSteps(
+    ...     optax.inject_hyperparams(optax.sgd)(learning_rate=lr), every_k_schedule=3)
+    >>> state = opt.init(0.0)
+    >>> for _ in range(6):  # Two windows of three micro-steps: two updates.
+    ...   _, state = opt.update(1.0, state)
+    >>> float(optax_accum.get_hyperparams(state)["learning_rate"])  # Update 1's.
+    0.75
+  """
+  if unit not in ("updates", "weight"):
+    raise ValueError(f"`unit` must be 'updates' or 'weight', got {unit!r}.")
+  if unit == "weight":
+    if per_update is None:
+      raise ValueError("`per_update` is required with unit='weight'.")
+    if isinstance(per_update, bool) or not (
+      isinstance(per_update, int | float)
+      and math.isfinite(per_update)
+      and per_update > 0
+    ):
+      raise ValueError(f"`per_update` must be a finite number > 0, got {per_update!r}.")
+  elif per_update is not None:
+    raise ValueError(
+      f"`per_update` is only used with unit='weight', got {per_update!r} with "
+      f"unit={unit!r}."
+    )
+  if not callable(schedule):
+    raise ValueError(f"`schedule` must be callable, got {type(schedule).__name__}.")
+  return ProgressSchedule(schedule, unit, per_update)
