@@ -72,6 +72,17 @@ def _validated_every_k(
   return lambda step: k
 
 
+def _varying_axes(aval: Any) -> frozenset[str]:
+  """The manual (``shard_map``) mesh axes a value of type ``aval`` varies over."""
+  return aval.manual_axis_type.varying
+
+
+def _varying_like(x: ArrayLike, aval: Any) -> jax.Array:
+  """``x``, marked as varying over the manual mesh axes ``aval`` varies over."""
+  missing = tuple(sorted(_varying_axes(aval) - _varying_axes(jax.typeof(x))))
+  return jax.lax.pcast(x, missing, to="varying") if missing else jnp.asarray(x)
+
+
 class MultiSteps:
   r"""Accumulates gradients over a window of micro-batches, weighted by items.
 
@@ -93,9 +104,11 @@ class MultiSteps:
   A window ends after ``every_k_schedule(gradient_step)`` counted micro-batches
   or on a call with ``end_window=True``. The inner optimizer runs on that call
   only, and receives the window's total weight and micro-batch count as the
-  extra arguments ``window_weight`` and ``window_micro_steps``. Every other call
-  returns exact zeros and leaves the inner state untouched. A window whose total
-  weight is 0 ends without an update and is not counted in ``gradient_step``.
+  extra arguments ``window_weight`` and ``window_micro_steps`` (an inner
+  optimizer that rejects unknown extra arguments, such as ``optax.lbfgs``, runs
+  without them). Every other call returns exact zeros and leaves the inner state
+  untouched. A window whose total weight is 0 ends without an update and is
+  not counted in ``gradient_step``.
 
   What each micro-batch does to the window:
 
@@ -115,13 +128,14 @@ class MultiSteps:
   Args:
     opt: The optimizer to run once per window.
     every_k_schedule: Micro-batches per window: an int ``>= 1``, or a callable
-      of the update count (int32 ``[]``) returning one. A value below 1
-      returned at run time is treated as 1.
+      of the update count (int32 ``[]``) returning one (cast to int32). A
+      value below 1 returned at run time is treated as 1.
     use_grad_mean: If ``True`` (default) the emitted gradient is divided by
       the window's total weight; otherwise it is the weighted sum.
     should_skip_update_fn: Optional ``fn(updates, gradient_step, params) ->
       (skip, skip_state)`` as in optax; a skipped micro-batch is as if it never
-      happened (only ``skip_state`` changes).
+      happened (only ``skip_state`` changes), except that ``end_window=True``
+      on it still ends the window.
     accumulator_dtype: Dtype of the accumulator. ``None`` (default) uses
       float32, or the leaf's own dtype where that is wider (float64).
     grad_reduction: How the caller reduced each micro-batch's loss over its
@@ -164,11 +178,18 @@ class MultiSteps:
       raise ValueError(
         f"`grad_reduction` must be 'mean' or 'sum', got {grad_reduction!r}."
       )
-    if not isinstance(use_grad_mean, bool):
+    if not isinstance(use_grad_mean, bool | np.bool_):
       raise ValueError(f"`use_grad_mean` must be a bool, got {use_grad_mean!r}.")
+    if accumulator_dtype is not None and not jnp.issubdtype(
+      accumulator_dtype, jnp.inexact
+    ):
+      raise ValueError(
+        "`accumulator_dtype` must be a floating-point dtype, got "
+        f"{jnp.dtype(accumulator_dtype)}."
+      )
     self._opt = optax.with_extra_args_support(opt)
     self._every_k_schedule = _validated_every_k(every_k_schedule)
-    self._use_grad_mean = use_grad_mean
+    self._use_grad_mean = bool(use_grad_mean)
     self._should_skip_update_fn = should_skip_update_fn
     self._accumulator_dtype = (
       None if accumulator_dtype is None else jnp.dtype(accumulator_dtype)
@@ -246,6 +267,12 @@ class MultiSteps:
       The inner optimizer's updates on the call that ends a window with
       positive weight, exact zeros on every other call; and the new state.
     """
+    for name in (WINDOW_WEIGHT, WINDOW_MICRO_STEPS):
+      if name in extra_args:
+        raise ValueError(
+          f"`{name}` is reserved: MultiSteps passes the window's totals to the "
+          "inner optimizer itself."
+        )
     _checks.check_tree_matches(
       updates,
       state.acc_grads,
@@ -305,13 +332,19 @@ class MultiSteps:
         acc_grads,
         updates,
       )
-      new_updates, inner = self._opt.update(
-        grads,
-        state.inner_opt_state,
-        params,
-        **extra_args,
-        **{WINDOW_WEIGHT: acc_weight, WINDOW_MICRO_STEPS: mini_step},
-      )
+      totals = {WINDOW_WEIGHT: acc_weight, WINDOW_MICRO_STEPS: mini_step}
+      try:
+        new_updates, inner = self._opt.update(
+          grads, state.inner_opt_state, params, **extra_args, **totals
+        )
+      except TypeError as e:
+        if not any(name in str(e) for name in totals):
+          raise
+        # The inner optimizer rejects extra arguments it does not use (as
+        # optax's line searches do): it runs without the window totals.
+        new_updates, inner = self._opt.update(
+          grads, state.inner_opt_state, params, **extra_args
+        )
       # Keep the inner state's dtypes so both branches of the cond agree.
       inner = jax.tree.map(
         lambda new, old: jnp.asarray(new).astype(jnp.result_type(old)),
@@ -321,10 +354,16 @@ class MultiSteps:
       return new_updates, inner
 
     def hold() -> tuple[optax.Updates, optax.OptState]:
-      shapes = jax.eval_shape(apply_update)[0]
-      return jax.tree.map(
-        lambda s: jnp.zeros(s.shape, s.dtype), shapes
-      ), state.inner_opt_state
+      # Zeros typed like the update branch's outputs, including, inside
+      # shard_map, the mesh axes they vary over.
+      jaxpr, shapes = jax.make_jaxpr(apply_update, return_shape=True)()
+      update_avals, state_avals = jax.tree.unflatten(
+        jax.tree.structure(shapes), jaxpr.out_avals
+      )
+      zeros = jax.tree.map(
+        lambda a: _varying_like(jnp.zeros(a.shape, a.dtype), a), update_avals
+      )
+      return zeros, jax.tree.map(_varying_like, state.inner_opt_state, state_avals)
 
     new_updates, inner_opt_state = jax.lax.cond(applies, apply_update, hold)
     new_state = MultiStepsState(
@@ -343,7 +382,11 @@ class MultiSteps:
     return new_updates, new_state
 
   def has_updated(self, state: MultiStepsState) -> jax.Array:
-    """Whether the call that produced ``state`` applied an optimizer update."""
+    """Whether the call that produced ``state`` applied an optimizer update.
+
+    Unlike ``optax.MultiSteps.has_updated``, which infers it from the counters,
+    this is ``False`` after a skipped micro-batch that follows an update.
+    """
     return state.updated
 
   def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:

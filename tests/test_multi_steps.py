@@ -96,13 +96,100 @@ def test_same_numbers_as_optax_with_skip_function():
   s_ours, s_theirs = ours.init(PARAMS), theirs.init(PARAMS)
   nan = jax.tree.map(lambda g: g.at[0].set(jnp.nan), _grads(99))
   stream = [_grads(0), nan, _grads(1), _grads(2), _grads(3), nan, _grads(4), _grads(5)]
+  ours_step, theirs_step = jax.jit(ours.update), jax.jit(theirs.update)
   for grads in stream:
-    u_ours, s_ours = jax.jit(ours.update)(grads, s_ours, PARAMS)
-    u_theirs, s_theirs = jax.jit(theirs.update)(grads, s_theirs, PARAMS)
+    u_ours, s_ours = ours_step(grads, s_ours, PARAMS)
+    u_theirs, s_theirs = theirs_step(grads, s_theirs, PARAMS)
     chex.assert_trees_all_close(u_ours, u_theirs, rtol=1e-6, atol=1e-7)
     chex.assert_trees_all_equal(s_ours.skip_state, s_theirs.skip_state)
   assert int(s_ours.gradient_step) == 2
   chex.assert_tree_all_finite(s_ours.acc_grads)
+
+
+def test_has_updated_is_false_after_a_skipped_micro_step():
+  """Documented difference: optax infers it from counters and says True."""
+  ours = optax_accum.MultiSteps(
+    optax.sgd(1.0), 2, should_skip_update_fn=optax.skip_not_finite
+  )
+  theirs = optax.MultiSteps(
+    optax.sgd(1.0), 2, should_skip_update_fn=optax.skip_not_finite
+  )
+  nan = jax.tree.map(lambda g: jnp.full_like(g, jnp.nan), _grads(0))
+  s_ours, s_theirs = ours.init(PARAMS), theirs.init(PARAMS)
+  flags_ours, flags_theirs = [], []
+  for grads in [_grads(1), _grads(2), nan, _grads(3), _grads(4)]:
+    _, s_ours = ours.update(grads, s_ours, PARAMS)
+    _, s_theirs = theirs.update(grads, s_theirs, PARAMS)
+    flags_ours.append(bool(ours.has_updated(s_ours)))
+    flags_theirs.append(bool(theirs.has_updated(s_theirs)))
+  assert flags_ours == [False, True, False, False, True]
+  assert flags_theirs == [False, True, True, False, True]
+
+
+def test_drop_in_for_inner_optimizers_that_reject_extra_args():
+  """optax.lbfgs's line search refuses unknown extra args; it runs without ours."""
+  target = {"w": jnp.full(3, 2.0)}
+
+  def loss(p):
+    return jnp.sum((p["w"] - target["w"]) ** 2)
+
+  results = {}
+  for lib in (optax, optax_accum):
+    opt = lib.MultiSteps(optax.lbfgs(), 2)
+
+    @jax.jit
+    def step(params, state, opt=opt):
+      value, grads = jax.value_and_grad(loss)(params)
+      updates, state = opt.update(
+        grads, state, params, value=value, grad=grads, value_fn=loss
+      )
+      return optax.apply_updates(params, updates), state
+
+    params, state = {"w": jnp.ones(3)}, opt.init({"w": jnp.ones(3)})
+    for _ in range(6):
+      params, state = step(params, state)
+    results[lib.__name__] = params
+  chex.assert_trees_all_close(results["optax_accum"], results["optax"], rtol=1e-6)
+  chex.assert_trees_all_close(results["optax_accum"], target, rtol=1e-4)
+
+
+def test_window_totals_are_reserved_names():
+  opt = optax_accum.MultiSteps(optax.sgd(1.0), 2)
+  with pytest.raises(ValueError, match=r"`window_weight` is reserved"):
+    opt.update(_grads(0), opt.init(PARAMS), window_weight=3.0)
+
+
+def test_inside_shard_map_with_per_device_gradients_and_state():
+  """No axis_name: each device accumulates its own stream, as optax does."""
+  if jax.device_count() < 4:
+    pytest.skip("needs 4 devices")
+  mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  spec = jax.sharding.PartitionSpec("d")
+  results = {}
+  for lib in (optax, optax_accum):
+    opt = lib.MultiSteps(optax.adam(0.1), 2)
+
+    def local(grads, state, opt=opt):
+      squeeze = functools.partial(jax.tree.map, lambda x: x[0])
+      updates, state = opt.update(squeeze(grads), squeeze(state), PARAMS)
+      return jax.tree.map(lambda x: x[None], (updates, state))
+
+    step = jax.jit(
+      jax.shard_map(local, mesh=mesh, in_specs=(spec, spec), out_specs=spec)
+    )
+    state = jax.tree.map(lambda x: jnp.stack([x] * 4), opt.init(PARAMS))
+    outputs = []
+    for i in range(4):
+      per_device = jax.tree.map(
+        lambda *g: jnp.stack(g), *[_grads(10 * i + d) for d in range(4)]
+      )
+      updates, state = step(per_device, state)
+      outputs.append(updates)
+    results[lib.__name__] = outputs
+  chex.assert_trees_all_close(
+    results["optax_accum"], results["optax"], rtol=1e-6, atol=1e-7
+  )
+  assert float(jnp.abs(results["optax_accum"][-1]["w"]).max()) > 0
 
 
 def test_gradient_transformation_chains_and_forwards_weight():
@@ -302,8 +389,9 @@ def test_bf16_params_get_bf16_gradients_from_a_float32_accumulator():
     assert state.acc_grads["w"].dtype == (
       jnp.float32 if acc_dtype is None else jnp.bfloat16
     )
+    step = jax.jit(opt.update)
     for i in range(64):
-      out, state = jax.jit(opt.update)(grad if i == 0 else small, state)
+      out, state = step(grad if i == 0 else small, state)
     assert out["w"].dtype == jnp.bfloat16
     results[acc_dtype] = float(out["w"][0])
   exact = float(grad["w"][0]) + 63 * 2.0**-9
@@ -371,6 +459,12 @@ def test_state_fields():
 def test_constructor_errors_name_the_argument(kwargs, match):
   with pytest.raises(ValueError, match=match):
     optax_accum.MultiSteps(optax.sgd(1.0), **kwargs)
+
+
+def test_use_grad_mean_accepts_numpy_bools():
+  opt = optax_accum.MultiSteps(optax.identity(), 1, use_grad_mean=np.bool_(False))
+  out, _ = opt.update(_grads(0), opt.init(PARAMS), weight=2.0)
+  chex.assert_trees_all_close(out, jax.tree.map(lambda g: 2 * g, _grads(0)), rtol=1e-6)
 
 
 def test_opt_must_be_a_gradient_transformation():
