@@ -1,5 +1,6 @@
 """Gradient accumulation for JAX/Optax, exactly equivalent to the whole batch."""
 
+from optax_accum._batching import causal_lm_target_mask, split_micro_batches
 from optax_accum._inspect import get_hyperparams, get_update_count
 from optax_accum._multi_steps import (
   WINDOW_MICRO_STEPS,
@@ -8,6 +9,7 @@ from optax_accum._multi_steps import (
   MultiStepsState,
 )
 from optax_accum._schedules import ProgressSchedule, ProgressState, progress_schedule
+from optax_accum._train_step import TrainStep, make_train_step
 
 __version__ = "0.1.0"
 
@@ -18,8 +20,12 @@ __all__ = (
   "MultiStepsState",
   "ProgressSchedule",
   "ProgressState",
+  "TrainStep",
   "__version__",
+  "causal_lm_target_mask",
   "get_hyperparams",
   "get_update_count",
+  "make_train_step",
   "progress_schedule",
+  "split_micro_batches",
 )

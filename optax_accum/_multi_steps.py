@@ -40,6 +40,9 @@ class MultiStepsState(NamedTuple):
       (``"sum"``).
     acc_weight: float ``[]``, the accumulator's widest dtype. The window's
       running sum of weights.
+    acc_loss: Like ``acc_weight``. The window's running sum of
+      ``weight * loss`` (``"mean"``) or ``loss`` (``"sum"``) for calls that pass
+      ``loss=``; divided by ``acc_weight`` it is the window's token-mean loss.
     updated: bool ``[]``. Whether the last call applied an update.
     skip_state: Whatever ``should_skip_update_fn`` returned last; ``()``
       without one.
@@ -50,6 +53,7 @@ class MultiStepsState(NamedTuple):
   inner_opt_state: optax.OptState
   acc_grads: optax.Updates
   acc_weight: jax.Array
+  acc_loss: jax.Array
   updated: jax.Array
   skip_state: Any = ()
 
@@ -237,6 +241,7 @@ class MultiSteps:
       inner_opt_state=self._opt.init(params),
       acc_grads=acc_grads,
       acc_weight=jnp.zeros([], weight_dtype),
+      acc_loss=jnp.zeros([], weight_dtype),
       updated=jnp.zeros([], jnp.bool_),
       skip_state=skip_state,
     )
@@ -249,6 +254,7 @@ class MultiSteps:
     *,
     weight: ArrayLike | None = None,
     end_window: ArrayLike | None = None,
+    loss: ArrayLike | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, MultiStepsState]:
     """Adds one micro-batch to the window; runs the optimizer if it ends it.
@@ -261,18 +267,41 @@ class MultiSteps:
         not. Defaults to 1. Required with ``grad_reduction="sum"``.
       end_window: Optional bool scalar, traced or not: end the window with this
         micro-batch even if it holds fewer than ``k`` micro-batches.
+      loss: Optional loss of the micro-batch, reduced like its gradient; the
+        state's ``acc_loss`` then sums it into the window's loss.
       **extra_args: Forwarded to the inner optimizer's update.
 
     Returns:
       The inner optimizer's updates on the call that ends a window with
       positive weight, exact zeros on every other call; and the new state.
     """
-    for name in (WINDOW_WEIGHT, WINDOW_MICRO_STEPS):
-      if name in extra_args:
-        raise ValueError(
-          f"`{name}` is reserved: MultiSteps passes the window's totals to the "
-          "inner optimizer itself."
-        )
+    added, counted = self.add(updates, state, params, weight=weight, loss=loss)
+    ends = self.window_ends(added, counted, end_window)
+    new_updates, new_state, _ = self.close(
+      added, ends, params, grads_like=updates, **extra_args
+    )
+    return new_updates, new_state
+
+  def add(
+    self,
+    updates: optax.Updates,
+    state: MultiStepsState,
+    params: optax.Params | None = None,
+    *,
+    weight: ArrayLike | None = None,
+    loss: ArrayLike | None = None,
+  ) -> tuple[MultiStepsState, jax.Array]:
+    """First half of :meth:`update`: adds a micro-batch, never ends the window.
+
+    Building block for train steps that know the window cannot end on this
+    micro-batch (the accumulate-only program of ``make_train_step``), or that
+    end it themselves with :meth:`close` (scan mode).
+
+    Returns:
+      The state with the micro-batch added (``updated`` False), and whether
+      the micro-batch counts towards ``k`` (not rejected by
+      ``should_skip_update_fn``).
+    """
     _checks.check_tree_matches(
       updates,
       state.acc_grads,
@@ -288,9 +317,6 @@ class MultiSteps:
         )
       weight = 1
     w = _checks.scalar(weight, name="weight", dtype=weight_dtype)
-    k = jnp.maximum(
-      jnp.asarray(self._every_k_schedule(state.gradient_step)).astype(jnp.int32), 1
-    )
 
     skip_state = state.skip_state
     counted = jnp.array(True)
@@ -308,78 +334,138 @@ class MultiSteps:
     # Negative or non-finite weights count towards k but add nothing.
     adds = counted & jnp.isfinite(w) & (w > 0)
     w = jnp.where(adds, w, jnp.zeros_like(w))
-    mini_step = jnp.where(
-      counted, optax.safe_increment(state.mini_step), state.mini_step
-    )
-    ends = counted & (mini_step >= k)
-    if end_window is not None:
-      ends = ends | _checks.scalar(end_window, name="end_window", dtype=jnp.bool_)
+
+    def weighted(x: ArrayLike, dtype: Any) -> jax.Array:
+      x = jnp.asarray(x).astype(dtype)
+      return x * w.astype(dtype) if self._grad_reduction == "mean" else x
 
     def add(acc: jax.Array, grad: jax.Array) -> jax.Array:
-      grad = jnp.asarray(grad).astype(acc.dtype)
-      if self._grad_reduction == "mean":
-        grad = grad * w.astype(acc.dtype)
-      return jnp.where(adds, acc + grad, acc)
+      return jnp.where(adds, acc + weighted(grad, acc.dtype), acc)
 
-    acc_grads = jax.tree.map(add, state.acc_grads, updates)
-    acc_weight = state.acc_weight + w
+    acc_loss = state.acc_loss
+    if loss is not None:
+      loss = _checks.scalar(loss, name="loss", dtype=weight_dtype)
+      acc_loss = add(acc_loss, loss)
+    added = state._replace(
+      mini_step=jnp.where(
+        counted, optax.safe_increment(state.mini_step), state.mini_step
+      ),
+      acc_grads=jax.tree.map(add, state.acc_grads, updates),
+      acc_weight=state.acc_weight + w,
+      acc_loss=acc_loss,
+      updated=jnp.zeros_like(state.updated),
+      skip_state=skip_state,
+    )
+    return added, counted
+
+  def k_at(self, gradient_step: ArrayLike) -> jax.Array:
+    """Micro-batches per window after ``gradient_step`` updates (int32, >= 1)."""
+    k = jnp.asarray(self._every_k_schedule(jnp.asarray(gradient_step)))
+    return jnp.maximum(k.astype(jnp.int32), 1)
+
+  def window_ends(
+    self,
+    added: MultiStepsState,
+    counted: ArrayLike,
+    end_window: ArrayLike | None = None,
+  ) -> jax.Array:
+    """Whether the micro-batch just added (see :meth:`add`) ends the window."""
+    ends = jnp.asarray(counted) & (added.mini_step >= self.k_at(added.gradient_step))
+    if end_window is not None:
+      ends = ends | _checks.scalar(end_window, name="end_window", dtype=jnp.bool_)
+    return ends
+
+  def close(
+    self,
+    added: MultiStepsState,
+    ends: ArrayLike,
+    params: optax.Params | None = None,
+    *,
+    grads_like: optax.Updates | None = None,
+    **extra_args: Any,
+  ) -> tuple[optax.Updates, MultiStepsState, jax.Array]:
+    """Second half of :meth:`update`: ends the window if ``ends`` is true.
+
+    Args:
+      added: A state returned by :meth:`add`.
+      ends: Bool scalar: end the window now.
+      params: Forwarded to the inner optimizer.
+      grads_like: Tree whose leaf dtypes the window gradient is cast to before
+        the inner optimizer sees it; defaults to ``params``.
+      **extra_args: Forwarded to the inner optimizer.
+
+    Returns:
+      ``(updates, state, grad_norm)``: the inner optimizer's updates (exact
+      zeros unless the window ends with positive weight), the new state, and
+      the global norm of the window gradient that was applied (0 if none).
+    """
+    for name in (WINDOW_WEIGHT, WINDOW_MICRO_STEPS):
+      if name in extra_args:
+        raise ValueError(
+          f"`{name}` is reserved: MultiSteps passes the window's totals to the "
+          "inner optimizer itself."
+        )
+    if grads_like is None:
+      grads_like = params if params is not None else added.acc_grads
+    ends = jnp.asarray(ends)
+    acc_weight = added.acc_weight
     applies = ends & (acc_weight > 0)
+    inner_state = added.inner_opt_state
 
-    def apply_update() -> tuple[optax.Updates, optax.OptState]:
+    def apply_update() -> tuple[optax.Updates, optax.OptState, jax.Array]:
       scale = acc_weight if self._use_grad_mean else jnp.ones_like(acc_weight)
       grads = jax.tree.map(
         lambda acc, g: (acc / scale.astype(acc.dtype)).astype(jnp.result_type(g)),
-        acc_grads,
-        updates,
+        added.acc_grads,
+        grads_like,
       )
-      totals = {WINDOW_WEIGHT: acc_weight, WINDOW_MICRO_STEPS: mini_step}
+      totals = {WINDOW_WEIGHT: acc_weight, WINDOW_MICRO_STEPS: added.mini_step}
       try:
         new_updates, inner = self._opt.update(
-          grads, state.inner_opt_state, params, **extra_args, **totals
+          grads, inner_state, params, **extra_args, **totals
         )
       except TypeError as e:
         if not any(name in str(e) for name in totals):
           raise
         # The inner optimizer rejects extra arguments it does not use (as
         # optax's line searches do): it runs without the window totals.
-        new_updates, inner = self._opt.update(
-          grads, state.inner_opt_state, params, **extra_args
-        )
+        new_updates, inner = self._opt.update(grads, inner_state, params, **extra_args)
       # Keep the inner state's dtypes so both branches of the cond agree.
       inner = jax.tree.map(
         lambda new, old: jnp.asarray(new).astype(jnp.result_type(old)),
         inner,
-        state.inner_opt_state,
+        inner_state,
       )
-      return new_updates, inner
+      norm = optax.tree.norm(added.acc_grads) / scale.astype(jnp.float32)
+      return new_updates, inner, norm.astype(jnp.float32)
 
-    def hold() -> tuple[optax.Updates, optax.OptState]:
-      # Zeros typed like the update branch's outputs, including, inside
-      # shard_map, the mesh axes they vary over.
+    def hold() -> tuple[optax.Updates, optax.OptState, jax.Array]:
+      # Outputs typed like the update branch's, including, inside shard_map,
+      # the mesh axes they vary over.
       jaxpr, shapes = jax.make_jaxpr(apply_update, return_shape=True)()
-      update_avals, state_avals = jax.tree.unflatten(
-        jax.tree.structure(shapes), jaxpr.out_avals
-      )
+      avals = jax.tree.unflatten(jax.tree.structure(shapes), jaxpr.out_avals)
       zeros = jax.tree.map(
-        lambda a: _varying_like(jnp.zeros(a.shape, a.dtype), a), update_avals
+        lambda a: _varying_like(jnp.zeros(a.shape, a.dtype), a), (avals[0], avals[2])
       )
-      return zeros, jax.tree.map(_varying_like, state.inner_opt_state, state_avals)
+      return zeros[0], jax.tree.map(_varying_like, inner_state, avals[1]), zeros[1]
 
-    new_updates, inner_opt_state = jax.lax.cond(applies, apply_update, hold)
-    new_state = MultiStepsState(
-      mini_step=jnp.where(ends, jnp.zeros_like(mini_step), mini_step),
+    new_updates, inner_opt_state, grad_norm = jax.lax.cond(applies, apply_update, hold)
+
+    def reset(x: jax.Array) -> jax.Array:
+      return jnp.where(ends, jnp.zeros_like(x), x)
+
+    new_state = added._replace(
+      mini_step=reset(added.mini_step),
       gradient_step=jnp.where(
-        applies, optax.safe_increment(state.gradient_step), state.gradient_step
+        applies, optax.safe_increment(added.gradient_step), added.gradient_step
       ),
       inner_opt_state=inner_opt_state,
-      acc_grads=jax.tree.map(
-        lambda a: jnp.where(ends, jnp.zeros_like(a), a), acc_grads
-      ),
-      acc_weight=jnp.where(ends, jnp.zeros_like(acc_weight), acc_weight),
+      acc_grads=jax.tree.map(reset, added.acc_grads),
+      acc_weight=reset(acc_weight),
+      acc_loss=reset(added.acc_loss),
       updated=applies,
-      skip_state=skip_state,
     )
-    return new_updates, new_state
+    return new_updates, new_state, grad_norm
 
   def has_updated(self, state: MultiStepsState) -> jax.Array:
     """Whether the call that produced ``state`` applied an optimizer update.

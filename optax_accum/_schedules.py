@@ -51,8 +51,11 @@ class ProgressSchedule:
   def init(self) -> ProgressState:
     """No updates applied, no items consumed."""
     dtype = jnp.asarray(0.0).dtype  # float64 under jax_enable_x64.
-    zero = jnp.zeros([], jnp.int32)
-    return ProgressState(updates=zero, whole=zero, remainder=jnp.zeros([], dtype))
+    return ProgressState(
+      updates=jnp.zeros([], jnp.int32),
+      whole=jnp.zeros([], jnp.int32),
+      remainder=jnp.zeros([], dtype),
+    )
 
   def update(self, state: ProgressState, **extra_args: Any) -> ProgressState:
     """Counts one optimizer call: an update unless ``window_weight`` is 0."""

@@ -434,6 +434,7 @@ def test_state_fields():
     "inner_opt_state",
     "acc_grads",
     "acc_weight",
+    "acc_loss",
     "updated",
     "skip_state",
   )

@@ -1,0 +1,279 @@
+"""``make_train_step``: a jitted accumulation step that always applies its update."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.typing import ArrayLike
+
+from optax_accum._inspect import get_hyperparams
+from optax_accum._multi_steps import MultiSteps, MultiStepsState
+
+Mode = Literal["stream", "scan"]
+Metrics = dict[str, Any]
+StepOutput = tuple[optax.Params, MultiStepsState, Metrics]
+
+
+def _is_traced(*trees: Any) -> bool:
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
+
+
+def _unaliased(tree: Any) -> Any:
+  """``tree`` with every repeated array replaced by a copy.
+
+  A buffer cannot be donated twice in one call; an optimizer state built by
+  hand can hold one array in two places.
+  """
+  seen: set[int] = set()
+
+  def fresh(x: Any) -> Any:
+    if not isinstance(x, jax.Array):
+      return x
+    if id(x) in seen:
+      return jnp.copy(x)
+    seen.add(id(x))
+    return x
+
+  return jax.tree.map(fresh, tree)
+
+
+class TrainStep:
+  """The callable that :func:`make_train_step` returns.
+
+  ``step(params, opt_state, batch, rng=None, *, end_window=False)`` returns
+  ``(params, opt_state, metrics)``. In streaming mode one call takes one
+  micro-batch; in scan mode one call takes a whole window, with the
+  micro-batches along the batch's leading axis.
+
+  Streaming compiles two programs: one that only accumulates, and one that
+  accumulates and, if the window ends, updates. Each call picks one by reading
+  the optimizer state's own counters (``mini_step``, ``gradient_step``), so
+  the choice can never drift from the state; the update program is also
+  correct on any micro-step, and is what runs when the step is traced inside
+  the caller's own ``jit`` or ``scan``. Reading the counters waits for the
+  previous call to finish.
+  """
+
+  def __init__(
+    self,
+    loss_fn: Callable[..., Any],
+    optimizer: MultiSteps,
+    mode: Mode,
+    has_aux: bool,
+    donate: bool,
+  ):
+    self.loss_fn = loss_fn
+    self.optimizer = optimizer
+    self.mode = mode
+    self.has_aux = has_aux
+    self.donate = donate
+    donate_argnums = (0, 1) if donate else ()
+    self.update_program = jax.jit(
+      self._scan if mode == "scan" else self._update, donate_argnums=donate_argnums
+    )
+    self.accumulate_program = jax.jit(self._accumulate, donate_argnums=donate_argnums)
+
+  def __call__(
+    self,
+    params: optax.Params,
+    opt_state: MultiStepsState,
+    batch: Any,
+    rng: jax.Array | None = None,
+    *,
+    end_window: ArrayLike = False,
+  ) -> StepOutput:
+    if not isinstance(opt_state, MultiStepsState):
+      raise ValueError(
+        "`opt_state` must come from optimizer.init(params) of the optax_accum."
+        f"MultiSteps given to make_train_step, got {type(opt_state).__name__}."
+      )
+    if self.donate and not _is_traced(params, opt_state):
+      params, opt_state = _unaliased((params, opt_state))
+    if self.mode == "scan":
+      if end_window is not False:
+        raise ValueError(
+          "`end_window` is for streaming: in scan mode every call ends a window."
+        )
+      return self.update_program(params, opt_state, batch, rng)
+    if _is_traced(params, opt_state, batch, rng, end_window) or not isinstance(
+      end_window, bool
+    ):
+      return self.update_program(params, opt_state, batch, rng, end_window)
+    mini_step, gradient_step = jax.device_get(
+      (opt_state.mini_step, opt_state.gradient_step)
+    )
+    if end_window or mini_step + 1 >= int(self.optimizer.k_at(gradient_step)):
+      return self.update_program(params, opt_state, batch, rng, end_window)
+    return self.accumulate_program(params, opt_state, batch, rng)
+
+  # -- the pieces ----------------------------------------------------------
+
+  def _grads(
+    self, params: Any, batch: Any, rng: Any, state: MultiStepsState
+  ) -> tuple[Any, ...]:
+    """Gradient, loss, weight and aux of one micro-batch."""
+    args: tuple[Any, ...] = (batch,)
+    if rng is not None:
+      # One key per micro-batch, the same in streaming and scan mode.
+      key = jax.random.fold_in(
+        jax.random.fold_in(rng, state.gradient_step), state.mini_step
+      )
+      args = (batch, key)
+
+    def loss(p: Any) -> tuple[jax.Array, tuple[Any, Any]]:
+      out = self.loss_fn(p, *args)
+      if not (isinstance(out, tuple) and len(out) == 2):
+        raise ValueError(self._contract(f"got {type(out).__name__}"))
+      value, rest = out
+      if self.has_aux:
+        if not (isinstance(rest, tuple) and len(rest) == 2):
+          raise ValueError(self._contract(f"got (loss, {type(rest).__name__})"))
+        return value, rest
+      return value, (rest, None)
+
+    (value, (weight, aux)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return grads, value, weight, aux
+
+  def _contract(self, got: str) -> str:
+    want = "(loss, (weight, aux))" if self.has_aux else "(loss, weight)"
+    return f"`loss_fn` must return {want} with has_aux={self.has_aux}, {got}."
+
+  def _metrics(
+    self, added: MultiStepsState, new_state: MultiStepsState, grad_norm: Any, aux: Any
+  ) -> Metrics:
+    weight = added.acc_weight
+    positive = weight > 0
+    metrics: Metrics = {
+      "loss": jnp.where(positive, added.acc_loss / jnp.where(positive, weight, 1), 0),
+      "weight": weight,
+      "micro_steps": added.mini_step,
+      "updated": new_state.updated,
+      "update_count": new_state.gradient_step,
+      "grad_norm": jnp.asarray(grad_norm, jnp.float32),
+    }
+    try:
+      hyperparams = get_hyperparams(new_state)
+    except ValueError:
+      hyperparams = {}
+    if "learning_rate" in hyperparams:
+      metrics["learning_rate"] = hyperparams["learning_rate"]
+    if self.has_aux:
+      metrics["aux"] = aux
+    return metrics
+
+  def _accumulate(
+    self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
+  ) -> StepOutput:
+    grads, value, weight, aux = self._grads(params, batch, rng, opt_state)
+    added, _ = self.optimizer.add(grads, opt_state, params, weight=weight, loss=value)
+    return params, added, self._metrics(added, added, 0.0, aux)
+
+  def _update(
+    self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any, end_window: Any
+  ) -> StepOutput:
+    grads, value, weight, aux = self._grads(params, batch, rng, opt_state)
+    added, counted = self.optimizer.add(
+      grads, opt_state, params, weight=weight, loss=value
+    )
+    ends = self.optimizer.window_ends(added, counted, end_window)
+    updates, new_state, grad_norm = self.optimizer.close(
+      added, ends, params, grads_like=grads
+    )
+    params = optax.apply_updates(params, updates)
+    return params, new_state, self._metrics(added, new_state, grad_norm, aux)
+
+  def _scan(
+    self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
+  ) -> StepOutput:
+    sizes = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
+    if len(sizes) != 1 or None in sizes or 0 in sizes:
+      raise ValueError(
+        "In scan mode every `batch` leaf needs the same leading micro-batch axis "
+        f"of size >= 1, got leading sizes {sorted(map(str, sizes))}."
+      )
+
+    def body(state: MultiStepsState, micro_batch: Any) -> tuple[MultiStepsState, Any]:
+      grads, value, weight, aux = self._grads(params, micro_batch, rng, state)
+      added, _ = self.optimizer.add(grads, state, params, weight=weight, loss=value)
+      return added, aux
+
+    added, auxs = jax.lax.scan(body, opt_state, batch)
+    updates, new_state, grad_norm = self.optimizer.close(added, True, params)
+    params = optax.apply_updates(params, updates)
+    return params, new_state, self._metrics(added, new_state, grad_norm, auxs)
+
+
+def make_train_step(
+  loss_fn: Callable[..., Any],
+  optimizer: MultiSteps,
+  *,
+  mode: Mode = "stream",
+  has_aux: bool = False,
+  donate: bool = True,
+) -> TrainStep:
+  """Builds a jitted train step that accumulates and always applies its update.
+
+  ``step(params, opt_state, batch, rng=None) -> (params, opt_state, metrics)``
+  is the only function a training loop needs: every call applies the update
+  it computes (zeros inside a window), so params cannot silently stop moving
+  while the optimizer state advances (F7), and nothing but the optimizer state
+  decides where a window ends.
+
+  - ``mode="stream"``: one call per micro-batch. ``end_window=True`` ends a
+    window early (the last partial window of an epoch).
+  - ``mode="scan"``: ``batch`` carries a leading axis of micro-batches (see
+    :func:`split_micro_batches`); ``jax.lax.scan`` accumulates them and the
+    optimizer runs once. The leading axis, not ``every_k_schedule``, sets the
+    window; an unfinished streamed window in ``opt_state`` joins it.
+
+  ``metrics`` holds ``loss`` (token-weighted mean loss of the window so far, or
+  of the window just completed), ``weight`` (its total weight),
+  ``micro_steps``, ``updated``, ``update_count``, ``grad_norm`` (global norm
+  of the gradient applied, 0 when none), ``learning_rate`` when the optimizer
+  injects one, and ``aux`` with ``has_aux=True`` (stacked in scan mode).
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> (loss, weight)``, or ``(loss, (weight,
+      aux))`` with ``has_aux=True``; with an ``rng`` passed to the step it is
+      called as ``loss_fn(params, batch, key)`` with a key per micro-batch.
+      ``loss`` is reduced as the optimizer's ``grad_reduction`` says (mean or
+      sum over the micro-batch's ``weight`` items).
+    optimizer: An :class:`optax_accum.MultiSteps`.
+    mode: ``"stream"`` (default) or ``"scan"``.
+    has_aux: Whether ``loss_fn`` returns auxiliary outputs.
+    donate: Donate ``params`` and ``opt_state`` buffers to the step (default).
+
+  Returns:
+    A :class:`TrainStep`.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> def loss_fn(params, batch):
+    ...   n = batch["mask"].sum()
+    ...   return (batch["mask"] * (params - batch["y"]) ** 2).sum() / n, n
+    >>> opt = optax_accum.MultiSteps(optax.sgd(0.5), every_k_schedule=2)
+    >>> step = optax_accum.make_train_step(loss_fn, opt)
+    >>> params = jnp.zeros(())
+    >>> state = opt.init(params)
+    >>> batches = [{"y": jnp.array([1.0, 9.0]), "mask": jnp.array([1.0, 0.0])},
+    ...            {"y": jnp.array([3.0, 3.0]), "mask": jnp.array([1.0, 1.0])}]
+    >>> for batch in batches:
+    ...   params, state, metrics = step(params, state, batch)
+    >>> float(params), float(metrics["loss"]), bool(metrics["updated"])
+    (2.3333..., 6.3333..., True)
+  """
+  if not isinstance(optimizer, MultiSteps):
+    raise ValueError(
+      "`optimizer` must be an optax_accum.MultiSteps (wrap yours: optax_accum."
+      f"MultiSteps(opt, every_k_schedule=k)), got {type(optimizer).__name__}."
+    )
+  if mode not in ("stream", "scan"):
+    raise ValueError(f"`mode` must be 'stream' or 'scan', got {mode!r}.")
+  if not callable(loss_fn):
+    raise ValueError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
+  return TrainStep(loss_fn, optimizer, mode, bool(has_aux), bool(donate))

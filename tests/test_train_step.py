@@ -1,0 +1,389 @@
+"""`make_train_step`: streaming, scan and whole batch agree; params never freeze."""
+
+import functools
+import time
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import toy_lm
+
+import optax_accum
+
+SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 3e-2, 4, 20, 1e-3)
+
+
+def _adamw():
+  return optax.inject_hyperparams(optax.adamw)(
+    learning_rate=optax_accum.progress_schedule(SCHEDULE), weight_decay=0.1
+  )
+
+
+def _copy(tree):
+  """A fresh copy: the step donates (deletes) the buffers it is given."""
+  return jax.tree.map(jnp.copy, tree)
+
+
+def _whole_batch_run(params, batches, loss_fn=toy_lm.mean_loss):
+  """The oracle: one AdamW update per whole batch, no accumulation."""
+  opt = _adamw()
+
+  @jax.jit
+  def step(params, state, batch):
+    (loss, weight), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss, optax.tree.norm(grads)
+
+  state, losses, norms = opt.init(params), [], []
+  for batch in batches:
+    params, state, loss, norm = step(params, state, batch)
+    losses.append(float(loss))
+    norms.append(float(norm))
+  return params, losses, norms
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_stream_scan_and_whole_batch_give_the_same_params(k):
+  updates = 20
+  params0 = toy_lm.init_params(seed=0)
+  batches = [toy_lm.make_batch(seed=10 + i) for i in range(updates)]
+  whole, whole_losses, whole_norms = _whole_batch_run(params0, batches)
+
+  results = {}
+  for mode in ("stream", "scan"):
+    opt = optax_accum.MultiSteps(_adamw(), k)
+    step = optax_accum.make_train_step(toy_lm.mean_loss, opt, mode=mode)
+    params = _copy(params0)
+    state = opt.init(params)
+    losses, norms = [], []
+    for batch in batches:
+      if mode == "scan":
+        params, state, metrics = step(
+          params, state, optax_accum.split_micro_batches(batch, k)
+        )
+      else:
+        for micro_batch in toy_lm.split(batch, k):
+          params, state, metrics = step(params, state, micro_batch)
+      assert bool(metrics["updated"])
+      np.testing.assert_allclose(metrics["weight"], batch["mask"].sum())
+      losses.append(float(metrics["loss"]))
+      norms.append(float(metrics["grad_norm"]))
+    assert int(metrics["update_count"]) == updates
+    np.testing.assert_allclose(
+      metrics["learning_rate"], SCHEDULE(updates - 1), rtol=1e-6
+    )
+    results[mode] = params
+    # The window loss and gradient norm do not depend on how the batch was split.
+    np.testing.assert_allclose(losses, whole_losses, rtol=1e-5)
+    np.testing.assert_allclose(norms, whole_norms, rtol=1e-5)
+
+  moved = toy_lm.max_rel_diff(params0, whole)
+  assert moved > 1e-2, (
+    f"params barely moved ({moved:.1e}): the test would prove nothing"
+  )
+  for mode, params in results.items():
+    diff = toy_lm.max_rel_diff(params, whole)
+    assert diff <= 1e-5, f"{mode}: max relative params difference {diff:.2e}"
+
+
+def test_two_function_loop_freezes_params_and_the_step_does_not():
+  """F7: one jitted function drops the update, another applies it.
+
+  The loop's own counter calls `apply` when `i % k == 0`, one micro-step after
+  each window really ended (inside `accumulate`, which dropped the update): it
+  only ever sees zeros. Params never move while the optimizer state counts
+  updates.
+  """
+  k, windows = 4, 5
+  params0 = toy_lm.init_params(seed=0)
+  stream = [
+    mb for i in range(windows) for mb in toy_lm.split(toy_lm.make_batch(seed=i), k)
+  ]
+  opt = optax.MultiSteps(optax.adamw(1e-2), k)
+
+  @jax.jit
+  def accumulate(params, state, batch):  # Runs the real update, throws it away.
+    grads, _ = jax.grad(toy_lm.mean_loss, has_aux=True)(params, batch)
+    _, state = opt.update(grads, state, params)
+    return params, state
+
+  @jax.jit
+  def apply(params, state, batch):
+    grads, _ = jax.grad(toy_lm.mean_loss, has_aux=True)(params, batch)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params, state = params0, opt.init(params0)
+  for i, micro_batch in enumerate(stream):
+    params, state = (apply if i % k == 0 else accumulate)(params, state, micro_batch)
+  assert int(state.gradient_step) == windows  # The state advanced ...
+  chex.assert_trees_all_equal(params, params0)  # ... the params never moved.
+
+  ours = optax_accum.MultiSteps(optax.adamw(1e-2), k)
+  step = optax_accum.make_train_step(toy_lm.mean_loss, ours)
+  params, state = _copy(params0), ours.init(params0)
+  for i, micro_batch in enumerate(stream):
+    before = _copy(params)
+    params, state, metrics = step(params, state, micro_batch)
+    ends = i % k == k - 1
+    assert bool(metrics["updated"]) == ends
+    if ends:
+      assert all(
+        bool(jnp.any(a != b))
+        for a, b in zip(*map(jax.tree.leaves, (params, before)), strict=True)
+      )
+    else:
+      chex.assert_trees_all_equal(params, before)  # Bit-identical inside a window.
+
+
+def test_streaming_compiles_at_most_two_programs():
+  traces = []
+
+  def loss_fn(params, batch):
+    traces.append(1)  # Runs once per trace, not per call.
+    return toy_lm.mean_loss(params, batch)
+
+  k = 4
+  opt = optax_accum.MultiSteps(_adamw(), k)
+  step = optax_accum.make_train_step(loss_fn, opt)
+  params = toy_lm.init_params(seed=0)
+  state = opt.init(params)
+  for i in range(3 * k + 2):
+    batch = toy_lm.split(toy_lm.make_batch(seed=i), k)[0]
+    params, state, metrics = step(params, state, batch, end_window=i == 3 * k + 1)
+  assert int(metrics["update_count"]) == 4  # Three full windows, one cut short.
+  assert len(traces) == 2
+
+
+def test_works_traced_inside_the_callers_own_scan():
+  k = 4
+  params0 = toy_lm.init_params(seed=0)
+  micro_batches = [
+    mb for i in range(3) for mb in toy_lm.split(toy_lm.make_batch(seed=i), k)
+  ]
+  opt = optax_accum.MultiSteps(_adamw(), k)
+  step = optax_accum.make_train_step(toy_lm.mean_loss, opt, donate=False)
+
+  params, state = params0, opt.init(params0)
+  for micro_batch in micro_batches:
+    params, state, _ = step(params, state, micro_batch)
+
+  @jax.jit
+  def run(params, state, stacked):
+    def body(carry, micro_batch):
+      params, state, metrics = step(*carry, micro_batch)
+      return (params, state), metrics["updated"]
+
+    return jax.lax.scan(body, (params, state), stacked)
+
+  stacked = jax.tree.map(lambda *x: np.stack(x), *micro_batches)
+  (scanned, scanned_state), updated = run(params0, opt.init(params0), stacked)
+  assert updated.tolist() == ([False] * (k - 1) + [True]) * 3
+  chex.assert_trees_all_close(scanned, params, rtol=1e-6)
+  assert int(scanned_state.gradient_step) == 3
+
+
+@pytest.mark.parametrize("donate", [True, False])
+def test_params_and_state_are_donated(donate):
+  opt = optax_accum.MultiSteps(optax.adamw(1e-2), 2)
+  step = optax_accum.make_train_step(toy_lm.mean_loss, opt, donate=donate)
+  params = toy_lm.init_params(seed=0)
+  state = opt.init(params)
+  for i in range(2):  # The accumulate program, then the update program.
+    batch = toy_lm.split(toy_lm.make_batch(seed=i), 2)[0]
+    new_params, new_state, _ = step(params, state, batch)
+    # Every array of params and state (XLA may keep a few scalar counters).
+    inputs = [x for x in jax.tree.leaves((params, state)) if x.size > 1]
+    assert len(inputs) == 4 * len(jax.tree.leaves(params))  # params, acc, mu, nu
+    assert [x.is_deleted() for x in inputs] == [donate] * len(inputs)
+    params, state = new_params, new_state
+
+
+def _dropout_loss(params, batch, key):
+  """Token-mean loss with dropout on the embeddings: depends on the key."""
+  keep = jax.random.bernoulli(key, 0.7, params["embed"].shape)
+  noisy = dict(params, embed=jnp.where(keep, params["embed"] / 0.7, 0.0))
+  return toy_lm.mean_loss(noisy, batch)
+
+
+def test_rng_gives_each_micro_batch_its_own_reproducible_key():
+  k = 4
+  params0 = toy_lm.init_params(seed=0)
+  batches = [toy_lm.make_batch(seed=i) for i in range(3)]
+
+  def run(mode, seed):
+    opt = optax_accum.MultiSteps(optax.adam(1e-2), k)
+    step = optax_accum.make_train_step(_dropout_loss, opt, mode=mode)
+    params, state = _copy(params0), opt.init(params0)
+    for batch in batches:
+      if mode == "scan":
+        params, state, _ = step(
+          params, state, optax_accum.split_micro_batches(batch, k), jax.random.key(seed)
+        )
+      else:
+        for micro_batch in toy_lm.split(batch, k):
+          params, state, _ = step(params, state, micro_batch, jax.random.key(seed))
+    return params
+
+  stream = run("stream", 0)
+  chex.assert_trees_all_equal(stream, run("stream", 0))  # Reproducible.
+  chex.assert_trees_all_close(run("scan", 0), stream, rtol=1e-5)  # Same keys.
+  assert toy_lm.max_rel_diff(run("stream", 1), stream) > 1e-4  # Keys matter.
+
+
+def test_scan_program_does_not_grow_with_k():
+  params = toy_lm.init_params(seed=0)
+  sizes, seconds = {}, {}
+  for k in (2, 16):
+    opt = optax_accum.MultiSteps(optax.adamw(1e-2), k)
+    step = optax_accum.make_train_step(toy_lm.mean_loss, opt, mode="scan")
+    batch = optax_accum.split_micro_batches(toy_lm.make_batch(seed=0, batch=2 * k), k)
+    start = time.perf_counter()
+    compiled = step.update_program.lower(
+      params, opt.init(params), batch, None
+    ).compile()
+    seconds[k] = time.perf_counter() - start
+    sizes[k] = len(compiled.as_text())
+  assert sizes[16] <= 1.05 * sizes[2], (sizes, seconds)
+
+
+def test_metrics_report_the_window_so_far():
+  k = 3
+  opt = optax_accum.MultiSteps(_adamw(), k)
+  step = optax_accum.make_train_step(toy_lm.mean_loss, opt)
+  params = toy_lm.init_params(seed=0)
+  state = opt.init(params)
+  micro_batches = toy_lm.split(toy_lm.make_batch(seed=0, batch=27), k)
+  for i, micro_batch in enumerate(micro_batches):
+    so_far = {
+      n: np.concatenate([mb[n] for mb in micro_batches[: i + 1]]) for n in micro_batch
+    }
+    expected_loss, expected_weight = toy_lm.mean_loss(params, so_far)
+    params, state, metrics = step(params, state, micro_batch)
+    np.testing.assert_allclose(metrics["loss"], expected_loss, rtol=1e-5)
+    assert float(metrics["weight"]) == float(expected_weight)
+    assert int(metrics["micro_steps"]) == i + 1
+    assert bool(metrics["updated"]) == (i == k - 1)
+    assert (float(metrics["grad_norm"]) > 0) == (i == k - 1)
+  assert set(metrics) == {
+    "loss",
+    "weight",
+    "micro_steps",
+    "updated",
+    "update_count",
+    "grad_norm",
+    "learning_rate",
+  }
+
+
+def test_aux_is_returned_per_micro_batch_and_stacked_in_scan():
+  def loss_fn(params, batch):
+    loss, weight = toy_lm.mean_loss(params, batch)
+    return loss, (weight, {"tokens": weight})
+
+  opt = optax_accum.MultiSteps(optax.sgd(0.1), 2)
+  batch = toy_lm.make_batch(seed=0)
+  params = toy_lm.init_params(seed=0)
+  step = optax_accum.make_train_step(
+    loss_fn, opt, mode="scan", has_aux=True, donate=False
+  )
+  _, _, metrics = step(
+    params, opt.init(params), optax_accum.split_micro_batches(batch, 2)
+  )
+  np.testing.assert_allclose(
+    metrics["aux"]["tokens"], [mb["mask"].sum() for mb in toy_lm.split(batch, 2)]
+  )
+
+
+# --- Errors -----------------------------------------------------------------------
+
+
+def test_factory_errors():
+  with pytest.raises(
+    ValueError, match=r"`optimizer` must be an optax_accum.MultiSteps"
+  ):
+    optax_accum.make_train_step(toy_lm.mean_loss, optax.adam(1e-3))
+  opt = optax_accum.MultiSteps(optax.adam(1e-3), 2)
+  with pytest.raises(
+    ValueError, match=r"`mode` must be 'stream' or 'scan', got 'loop'"
+  ):
+    optax_accum.make_train_step(toy_lm.mean_loss, opt, mode="loop")
+
+
+def test_loss_fn_contract_is_checked():
+  opt = optax_accum.MultiSteps(optax.adam(1e-3), 2)
+  params = toy_lm.init_params(seed=0)
+  batch = toy_lm.make_batch(seed=0)
+
+  def scalar_loss(params, batch):
+    return toy_lm.mean_loss(params, batch)[0]
+
+  step = optax_accum.make_train_step(scalar_loss, opt)
+  with pytest.raises(ValueError, match=r"`loss_fn` must return \(loss, weight\)"):
+    step(params, opt.init(params), batch)
+  step = optax_accum.make_train_step(toy_lm.mean_loss, opt, has_aux=True)
+  with pytest.raises(
+    ValueError, match=r"must return \(loss, \(weight, aux\)\) with has_aux=True"
+  ):
+    step(params, opt.init(params), batch)
+
+
+def test_call_errors():
+  opt = optax_accum.MultiSteps(optax.adam(1e-3), 2)
+  params = toy_lm.init_params(seed=0)
+  step = optax_accum.make_train_step(toy_lm.mean_loss, opt, mode="scan")
+  with pytest.raises(ValueError, match=r"`opt_state` must come from optimizer.init"):
+    step(params, optax.adam(1e-3).init(params), toy_lm.make_batch(seed=0))
+  uneven = {
+    "inputs": np.zeros((2, 3, 4), int),
+    "targets": np.zeros((3, 3, 4), int),
+    "mask": np.ones((2, 3, 4), bool),
+  }
+  with pytest.raises(ValueError, match=r"the same leading micro-batch axis"):
+    step(params, opt.init(params), uneven)
+  with pytest.raises(ValueError, match=r"`end_window` is for streaming"):
+    step(params, opt.init(params), toy_lm.make_batch(seed=0), end_window=True)
+
+
+# --- Batch helpers ----------------------------------------------------------------
+
+
+class CausalTargetsTest(chex.TestCase):
+  @chex.variants(with_jit=True, without_jit=True, with_device=True)
+  def test_a_sequence_of_n_tokens_has_n_minus_one_targets(self):
+    mask = np.arange(8)[None, :] < np.array([[8], [5], [1], [0]])
+    targets = self.variant(optax_accum.causal_lm_target_mask)(mask)
+    np.testing.assert_array_equal(targets.sum(axis=-1), [7, 4, 0, 0])
+    np.testing.assert_array_equal(targets, mask[:, 1:])  # Left-aligned padding.
+
+
+def test_causal_targets_errors():
+  with pytest.raises(ValueError, match="must be boolean"):
+    optax_accum.causal_lm_target_mask(np.ones((2, 4)))
+  with pytest.raises(ValueError, match="time axis of length >= 2"):
+    optax_accum.causal_lm_target_mask(np.ones((2, 1), bool))
+
+
+def test_split_micro_batches():
+  batch = toy_lm.make_batch(seed=0, batch=12)
+  split = optax_accum.split_micro_batches(batch, 3)
+  assert split["inputs"].shape == (3, 4, 16)
+  for i, micro_batch in enumerate(toy_lm.split(batch, 3)):
+    chex.assert_trees_all_equal(jax.tree.map(lambda x, i=i: x[i], split), micro_batch)
+  with pytest.raises(
+    ValueError,
+    match=r"leaf \['inputs'\] has shape \(12, 16\): its leading axis must be divisible by k=5",
+  ):
+    optax_accum.split_micro_batches(batch, 5)
+  with pytest.raises(ValueError, match=r"`k` must be an int >= 1, got 0"):
+    optax_accum.split_micro_batches(batch, 0)
+
+
+def test_jit_helper_split_is_traceable():
+  split = jax.jit(functools.partial(optax_accum.split_micro_batches, k=2))(
+    {"x": jnp.arange(4)}
+  )
+  np.testing.assert_array_equal(split["x"], [[0, 1], [2, 3]])
