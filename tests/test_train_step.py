@@ -375,7 +375,8 @@ def test_split_micro_batches():
     chex.assert_trees_all_equal(jax.tree.map(lambda x, i=i: x[i], split), micro_batch)
   with pytest.raises(
     ValueError,
-    match=r"\(12, 16\): its leading axis must be divisible by k=5",
+    match=r"leaf \['inputs'\] has shape \(12, 16\): "
+    r"its leading axis must be divisible by k=5",
   ):
     optax_accum.split_micro_batches(batch, 5)
   with pytest.raises(ValueError, match=r"`k` must be an int >= 1, got 0"):
