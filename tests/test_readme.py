@@ -15,10 +15,11 @@ EXAMPLES = re.findall(
 
 def test_python_blocks_print_what_the_readme_shows():
   assert len(EXAMPLES) >= 2
+  namespace: dict = {}  # Like a reader's session: later blocks reuse names.
   for code, shown in EXAMPLES:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-      exec(compile(code, "README.md", "exec"), {})
+      exec(compile(code, "README.md", "exec"), namespace)
     if shown:
       assert out.getvalue().strip() == shown.strip(), code
 
