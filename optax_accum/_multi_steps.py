@@ -12,6 +12,7 @@ import optax
 from jax.typing import ArrayLike, DTypeLike
 
 from optax_accum import _checks
+from optax_accum._collectives import AxisName, ReplicaSum
 
 GradReduction = Literal["mean", "sum"]
 EveryKSchedule = int | Callable[[jax.Array], ArrayLike]
@@ -144,6 +145,10 @@ class MultiSteps:
       float32, or the leaf's own dtype where that is wider (float64).
     grad_reduction: How the caller reduced each micro-batch's loss over its
       items: ``"mean"`` (default) or ``"sum"``. ``"sum"`` requires ``weight``.
+    axis_name: Inside ``shard_map`` or ``pmap``: the data-parallel mesh axis
+      (or axes) to sum weights, weighted gradients and losses over, so each
+      window's gradient is the token mean over all replicas. Not needed under
+      ``jit`` with sharded arrays, where gradients are already global.
 
   Examples:
     Two micro-batches with 1 and 3 tokens: the emitted gradient is the token
@@ -173,6 +178,7 @@ class MultiSteps:
     accumulator_dtype: DTypeLike | None = None,
     *,
     grad_reduction: GradReduction = "mean",
+    axis_name: AxisName | None = None,
   ):
     if not (hasattr(opt, "init") and hasattr(opt, "update")):
       raise ValueError(
@@ -199,11 +205,23 @@ class MultiSteps:
       None if accumulator_dtype is None else jnp.dtype(accumulator_dtype)
     )
     self._grad_reduction = grad_reduction
+    self._axis_name = axis_name
 
   @property
   def inner_opt(self) -> optax.GradientTransformationExtraArgs:
     """The wrapped optimizer (with extra-args support)."""
     return self._opt
+
+  def with_axis_name(self, axis_name: AxisName) -> MultiSteps:
+    """A copy of this accumulator that sums over mesh axis ``axis_name``."""
+    copy = object.__new__(MultiSteps)
+    copy.__dict__.update(self.__dict__, _axis_name=axis_name)
+    return copy
+
+  @property
+  def axis_name(self) -> AxisName | None:
+    """The mesh axis (or axes) weights and gradients are summed over, if any."""
+    return self._axis_name
 
   @property
   def grad_reduction(self) -> GradReduction:
@@ -221,8 +239,10 @@ class MultiSteps:
   def init(self, params: optax.Params) -> MultiStepsState:
     """Returns the state for a fresh run: an empty window and no updates."""
     _checks.check_inexact_leaves(params, name="params")
+    # zeros_like keeps each leaf's sharding, so the accumulator is sharded like
+    # the params it accumulates for.
     acc_grads = jax.tree.map(
-      lambda p: jnp.zeros(jnp.shape(p), self._acc_dtype(jnp.result_type(p))), params
+      lambda p: jnp.zeros_like(p, dtype=self._acc_dtype(jnp.result_type(p))), params
     )
     acc_dtypes = [jnp.dtype(a.dtype) for a in jax.tree.leaves(acc_grads)]
     weight_dtype = max(
@@ -318,6 +338,7 @@ class MultiSteps:
       weight = 1
     w = _checks.scalar(weight, name="weight", dtype=weight_dtype)
 
+    summed = None if self._axis_name is None else ReplicaSum(self._axis_name)
     skip_state = state.skip_state
     counted = jnp.array(True)
     if self._should_skip_update_fn is not None:
@@ -329,29 +350,61 @@ class MultiSteps:
           "`should_skip_update_fn` must return a bool scalar, got dtype "
           f"{jnp.result_type(skip)} and shape {jnp.shape(skip)}."
         )
+      if summed is not None:
+        # A rejection on any replica rejects the micro-batch on all of them, so
+        # every replica keeps the same window.
+        skip = summed(jnp.asarray(skip).astype(jnp.int32)) > 0
       counted = jnp.logical_not(skip)
 
-    # Negative or non-finite weights count towards k but add nothing.
+    # Negative or non-finite weights count towards k but add nothing. The
+    # `where` (not a product with 0) keeps a NaN gradient out of the sum.
     adds = counted & jnp.isfinite(w) & (w > 0)
     w = jnp.where(adds, w, jnp.zeros_like(w))
+    total_w = w if summed is None else summed(w)  # Over all replicas.
 
-    def weighted(x: ArrayLike, dtype: Any) -> jax.Array:
+    def contribution(x: ArrayLike, dtype: Any, name: str) -> jax.Array:
       x = jnp.asarray(x).astype(dtype)
-      return x * w.astype(dtype) if self._grad_reduction == "mean" else x
-
-    def add(acc: jax.Array, grad: jax.Array) -> jax.Array:
-      return jnp.where(adds, acc + weighted(grad, acc.dtype), acc)
+      if summed is None:
+        local_axes: tuple[str, ...] = ()
+        keep = adds
+      else:
+        local_axes = summed.local_axes(x)
+        missing = set(summed.local_axes(w)) - set(local_axes)
+        if missing and self._grad_reduction == "mean":
+          raise ValueError(
+            f"{name} is already summed over mesh axis {sorted(missing)[0]!r} "
+            "(JAX's autodiff sums the gradient of params that enter shard_map "
+            "replicated), so the per-replica weights cannot be applied. Use "
+            "grad_reduction='sum' with a summed loss, or make the params "
+            "per-replica first: jax.lax.pcast(params, axis, to='varying') "
+            "(make_train_step does this)."
+          )
+        # A value already summed over the replicas is masked by the total.
+        keep = adds if local_axes else counted & (total_w > 0)
+      if self._grad_reduction == "mean":
+        # A per-replica mean weighs by its replica's items; an already-global
+        # one (weight invariant too) by the total.
+        x = x * (w if summed is None or local_axes else total_w).astype(dtype)
+      x = jnp.where(keep, x, jnp.zeros_like(x))
+      return jax.lax.psum(x, local_axes) if local_axes else x
 
     acc_loss = state.acc_loss
     if loss is not None:
       loss = _checks.scalar(loss, name="loss", dtype=weight_dtype)
-      acc_loss = add(acc_loss, loss)
+      acc_loss = acc_loss + contribution(loss, acc_loss.dtype, "`loss`")
+    acc_grads = jax.tree_util.tree_map_with_path(
+      lambda path, acc, g: (
+        acc + contribution(g, acc.dtype, f"`updates` leaf {jax.tree_util.keystr(path)}")
+      ),
+      state.acc_grads,
+      updates,
+    )
     added = state._replace(
       mini_step=jnp.where(
         counted, optax.safe_increment(state.mini_step), state.mini_step
       ),
-      acc_grads=jax.tree.map(add, state.acc_grads, updates),
-      acc_weight=state.acc_weight + w,
+      acc_grads=acc_grads,
+      acc_weight=state.acc_weight + total_w,
       acc_loss=acc_loss,
       updated=jnp.zeros_like(state.updated),
       skip_state=skip_state,

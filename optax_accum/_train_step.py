@@ -11,6 +11,7 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike
 
+from optax_accum._collectives import AxisName, ReplicaSum
 from optax_accum._inspect import get_hyperparams
 from optax_accum._multi_steps import MultiSteps, MultiStepsState
 
@@ -21,6 +22,29 @@ StepOutput = tuple[optax.Params, MultiStepsState, Metrics]
 
 def _is_traced(*trees: Any) -> bool:
   return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
+
+
+def _host_int(x: jax.Array) -> int:
+  """A replicated scalar's value, read from this process's own copy."""
+  if getattr(x, "is_fully_addressable", True):
+    return int(jax.device_get(x))
+  return int(np.asarray(x.addressable_shards[0].data))
+
+
+def _per_replica(params: Any, summed: ReplicaSum) -> Any:
+  """``params`` marked as differing per replica, so their gradients stay local.
+
+  Inside ``shard_map`` JAX would otherwise sum the gradient of replicated
+  params over the replicas before the per-replica token weights are applied.
+  """
+  if not summed.tracked:
+    return params
+
+  def local(p: Any) -> Any:
+    missing = tuple(a for a in summed.axes if a not in summed.local_axes(p))
+    return jax.lax.pcast(p, missing, to="varying") if missing else p
+
+  return jax.tree.map(local, params)
 
 
 def _unaliased(tree: Any) -> Any:
@@ -104,10 +128,9 @@ class TrainStep:
       end_window, bool
     ):
       return self.update_program(params, opt_state, batch, rng, end_window)
-    mini_step, gradient_step = jax.device_get(
-      (opt_state.mini_step, opt_state.gradient_step)
-    )
-    if end_window or mini_step + 1 >= int(self.optimizer.k_at(gradient_step)):
+    mini_step = _host_int(opt_state.mini_step)
+    k = int(self.optimizer.k_at(_host_int(opt_state.gradient_step)))
+    if end_window or mini_step + 1 >= k:
       return self.update_program(params, opt_state, batch, rng, end_window)
     return self.accumulate_program(params, opt_state, batch, rng)
 
@@ -124,6 +147,9 @@ class TrainStep:
         jax.random.fold_in(rng, state.gradient_step), state.mini_step
       )
       args = (batch, key)
+
+    if self.optimizer.axis_name is not None:
+      params = _per_replica(params, ReplicaSum(self.optimizer.axis_name))
 
     def loss(p: Any) -> tuple[jax.Array, tuple[Any, Any]]:
       out = self.loss_fn(p, *args)
@@ -215,6 +241,7 @@ def make_train_step(
   mode: Mode = "stream",
   has_aux: bool = False,
   donate: bool = True,
+  axis_name: AxisName | None = None,
 ) -> TrainStep:
   """Builds a jitted train step that accumulates and always applies its update.
 
@@ -247,6 +274,9 @@ def make_train_step(
     mode: ``"stream"`` (default) or ``"scan"``.
     has_aux: Whether ``loss_fn`` returns auxiliary outputs.
     donate: Donate ``params`` and ``opt_state`` buffers to the step (default).
+    axis_name: For a step run inside ``shard_map`` or ``pmap``: the
+      data-parallel mesh axis to sum weights and gradients over (see
+      :class:`MultiSteps`). Not needed under ``jit`` with sharded arrays.
 
   Returns:
     A :class:`TrainStep`.
@@ -272,6 +302,13 @@ def make_train_step(
       "`optimizer` must be an optax_accum.MultiSteps (wrap yours: optax_accum."
       f"MultiSteps(opt, every_k_schedule=k)), got {type(optimizer).__name__}."
     )
+  if axis_name is not None:
+    if optimizer.axis_name not in (None, axis_name):
+      raise ValueError(
+        f"`axis_name` {axis_name!r} differs from the optimizer's "
+        f"{optimizer.axis_name!r}."
+      )
+    optimizer = optimizer.with_axis_name(axis_name)
   if mode not in ("stream", "scan"):
     raise ValueError(f"`mode` must be 'stream' or 'scan', got {mode!r}.")
   if not callable(loss_fn):

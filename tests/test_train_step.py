@@ -27,30 +27,12 @@ def _copy(tree):
   return jax.tree.map(jnp.copy, tree)
 
 
-def _whole_batch_run(params, batches, loss_fn=toy_lm.mean_loss):
-  """The oracle: one AdamW update per whole batch, no accumulation."""
-  opt = _adamw()
-
-  @jax.jit
-  def step(params, state, batch):
-    (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
-    updates, state = opt.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss, optax.tree.norm(grads)
-
-  state, losses, norms = opt.init(params), [], []
-  for batch in batches:
-    params, state, loss, norm = step(params, state, batch)
-    losses.append(float(loss))
-    norms.append(float(norm))
-  return params, losses, norms
-
-
 @pytest.mark.parametrize("k", [1, 4])
 def test_stream_scan_and_whole_batch_give_the_same_params(k):
   updates = 20
   params0 = toy_lm.init_params(seed=0)
   batches = [toy_lm.make_batch(seed=10 + i) for i in range(updates)]
-  whole, whole_losses, whole_norms = _whole_batch_run(params0, batches)
+  whole, whole_losses, whole_norms = toy_lm.whole_batch_run(params0, batches, _adamw())
 
   results = {}
   for mode in ("stream", "scan"):

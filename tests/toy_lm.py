@@ -88,3 +88,23 @@ def max_rel_diff(a, b) -> float:
     float(jnp.max(jnp.abs(x.astype(y.dtype) - y)) / jnp.max(jnp.abs(y)))
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
   )
+
+
+def whole_batch_run(params, batches, opt, loss_fn=mean_loss):
+  """The oracle: one update of ``opt`` per whole batch, no accumulation.
+
+  Returns the final params and each update's loss and gradient norm.
+  """
+
+  @jax.jit
+  def step(params, state, batch):
+    (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss, optax.tree.norm(grads)
+
+  state, losses, norms = opt.init(params), [], []
+  for batch in batches:
+    params, state, loss, norm = step(params, state, batch)
+    losses.append(float(loss))
+    norms.append(float(norm))
+  return params, losses, norms

@@ -1,0 +1,49 @@
+"""Summing per-replica values over data-parallel axes inside shard_map or pmap."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+AxisName = str | tuple[str, ...]
+
+
+def _varying(x: Any) -> frozenset[str]:
+  return jax.typeof(x).manual_axis_type.varying
+
+
+class ReplicaSum:
+  """Sums values over the mesh axes on which they still differ per replica.
+
+  Under ``pmap`` or ``shard_map(check_vma=False)`` JAX does not track which
+  values vary per replica, so every value is taken to be per-replica and
+  summed. Under ``shard_map`` with the default ``check_vma=True`` it does: a
+  value already invariant over an axis (a gradient that JAX's autodiff summed
+  because the params entered replicated) is not summed again.
+  """
+
+  def __init__(self, axis_name: AxisName):
+    self.axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    try:
+      probes = [jax.lax.axis_index(axis) for axis in self.axes]
+    except NameError as e:
+      raise ValueError(
+        f"`axis_name` {axis_name!r} is not a mesh axis here: call inside "
+        "shard_map or pmap over it, or drop `axis_name` under plain jit, where "
+        "sharded gradients are already global."
+      ) from e
+    self.tracked = any(
+      axis in _varying(probe) for axis, probe in zip(self.axes, probes, strict=True)
+    )
+
+  def local_axes(self, x: Any) -> tuple[str, ...]:
+    """The axes over which ``x`` may still differ between replicas."""
+    if not self.tracked:
+      return self.axes
+    varying = _varying(x)
+    return tuple(axis for axis in self.axes if axis in varying)
+
+  def __call__(self, x: Any) -> jax.Array:
+    axes = self.local_axes(x)
+    return jax.lax.psum(x, axes) if axes else x

@@ -1,0 +1,256 @@
+"""Data parallel on 8 simulated devices: token counts are global (F2).
+
+Replicas hold very different numbers of valid tokens: the batch is sorted by
+sequence length, so the last replicas see almost nothing but padding.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import toy_lm
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_accum
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+
+AUTO = jax.sharding.AxisType.Auto
+
+
+def _uneven_batch(seed, batch=32):
+  """A variable-length batch, longest sequences first."""
+  data = toy_lm.make_batch(seed=seed, batch=batch)
+  order = np.argsort(-data["mask"].sum(axis=1), kind="stable")
+  return {name: value[order] for name, value in data.items()}
+
+
+def _replica_tokens(batch, replicas=8):
+  return batch["mask"].reshape(replicas, -1).sum(axis=1)
+
+
+def _adamw():
+  schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-2, 3, 10, 1e-3)
+  return optax.inject_hyperparams(optax.adamw)(
+    learning_rate=optax_accum.progress_schedule(schedule), weight_decay=0.1
+  )
+
+
+def _identity_window(opt, params, micro_batches, state=None):
+  """The window gradient that `opt` (around `optax.identity()`) emits."""
+  state = opt.init(params) if state is None else state
+  for micro_batch in micro_batches:
+    grads, weight = jax.grad(toy_lm.mean_loss, has_aux=True)(params, micro_batch)
+    emitted, state = opt.update(grads, state, params, weight=weight)
+  return emitted
+
+
+# --- jit with NamedSharding: nothing to do ------------------------------------
+
+
+def test_sharded_batch_under_jit_matches_one_device():
+  k, updates = 2, 10
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AUTO,))
+  data, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+  batches = [_uneven_batch(seed=i) for i in range(updates)]
+  tokens, capacity = _replica_tokens(batches[0]), batches[0]["mask"].size // 8
+  assert tokens.min() <= 0.1 * capacity < 0.8 * capacity <= tokens.max()
+
+  params0 = toy_lm.init_params(seed=0)
+  whole, _, _ = toy_lm.whole_batch_run(params0, batches, _adamw())
+
+  # The gradient of one window, batch sharded over 8 devices.
+  micro = [jax.device_put(mb, data) for mb in toy_lm.split(batches[0], k)]
+  identity = optax_accum.MultiSteps(optax.identity(), k)
+  sharded_grad = jax.jit(functools.partial(_identity_window, identity))(
+    jax.device_put(params0, replicated), micro
+  )
+  whole_grad, _ = jax.grad(toy_lm.mean_loss, has_aux=True)(params0, batches[0])
+  assert toy_lm.rel_error(sharded_grad, whole_grad) <= 1e-5
+
+  opt = optax_accum.MultiSteps(_adamw(), k)
+  step = optax_accum.make_train_step(toy_lm.mean_loss, opt)
+  params = jax.device_put(params0, replicated)
+  state = opt.init(params)
+  for batch in batches:
+    for micro_batch in toy_lm.split(batch, k):
+      micro_batch = jax.device_put(micro_batch, data)
+      assert len(micro_batch["mask"].sharding.device_set) == 8
+      params, state, metrics = step(params, state, micro_batch)
+  assert int(metrics["update_count"]) == updates
+  assert toy_lm.max_rel_diff(params, whole) <= 1e-5
+
+
+def _linear_loss(params, batch):
+  logits = batch["x"] @ params["w"] + params["b"][None, None, :]
+  nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+  mask = batch["mask"].astype(nll.dtype)
+  return (nll * mask).sum() / mask.sum(), mask.sum()
+
+
+def test_state_keeps_the_params_sharding_on_a_2d_mesh():
+  """params sharded on `model`, batch on `data`: no accumulator all-gather."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AUTO, AUTO))
+  specs = {"w": P(None, "model"), "b": P("model")}
+  params = {
+    "w": jax.device_put(
+      jnp.full((8, 16), 0.1, jnp.float32), NamedSharding(mesh, specs["w"])
+    ),
+    "b": jax.device_put(jnp.zeros(16, jnp.float32), NamedSharding(mesh, specs["b"])),
+  }
+  rng = np.random.default_rng(0)
+  batch = jax.device_put(
+    {
+      "x": rng.normal(size=(8, 6, 8)).astype(np.float32),
+      "y": rng.integers(0, 16, (8, 6)),
+      "mask": np.arange(6)[None] < rng.integers(1, 7, (8, 1)),
+    },
+    NamedSharding(mesh, P("data")),
+  )
+  opt = optax_accum.MultiSteps(optax.adamw(1e-2), 2)
+  step = optax_accum.make_train_step(_linear_loss, opt)
+  state = opt.init(params)
+
+  def check(state, params):
+    arrays = [state.acc_grads, state.inner_opt_state[0].mu, state.inner_opt_state[0].nu]
+    for tree in [params, *arrays]:
+      for name, spec in specs.items():
+        assert tree[name].sharding.spec == spec, (name, tree[name].sharding)
+
+  check(state, params)
+  for program, args in [
+    (step.accumulate_program, (params, state, batch, None)),
+    (step.update_program, (params, state, batch, None, False)),
+  ]:
+    hlo = program.lower(*args).compile().as_text()
+    assert not re.findall(r"all-gather", hlo), "a step gathers a sharded array"
+  for _ in range(4):
+    params, state, _ = step(params, state, batch)
+  check(state, params)
+
+
+# --- shard_map and pmap: axis_name --------------------------------------------
+
+
+def _shard_map(fn, mesh, check_vma=True):
+  return jax.jit(
+    jax.shard_map(
+      fn, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=P(), check_vma=check_vma
+    )
+  )
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_shard_map_with_axis_name_sums_over_replicas(reduction, check_vma):
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AUTO,))
+  k = 2
+  batch = _uneven_batch(seed=0)
+  params = toy_lm.init_params(seed=0)
+  loss_fn = toy_lm.mean_loss if reduction == "mean" else toy_lm.sum_loss
+  whole, _ = jax.grad(toy_lm.mean_loss, has_aux=True)(params, batch)
+
+  def window(params, state, micro_batches, opt):
+    for micro_batch in micro_batches:
+      if check_vma and reduction == "mean":  # Keep the gradient per replica.
+        local = jax.lax.pcast(params, "data", to="varying")
+      else:
+        local = params
+      grads, weight = jax.grad(loss_fn, has_aux=True)(local, micro_batch)
+      emitted, state = opt.update(grads, state, params, weight=weight)
+    return emitted
+
+  results = {}
+  for axis_name in ("data", None):
+    opt = optax_accum.MultiSteps(
+      optax.identity(), k, grad_reduction=reduction, axis_name=axis_name
+    )
+    fn = _shard_map(functools.partial(window, opt=opt), mesh, check_vma)
+    if axis_name is None and check_vma:
+      continue  # Per-replica outputs cannot leave through out_specs=P().
+    results[axis_name] = fn(params, opt.init(params), toy_lm.split(batch, k))
+  assert toy_lm.rel_error(results["data"], whole) <= 1e-5
+  if None in results:  # Without axis_name each replica has its own window.
+    assert toy_lm.rel_error(results[None], whole) > 1e-2
+
+
+def test_replicated_params_with_mean_loss_explain_the_fix():
+  """check_vma: autodiff already summed per-replica means; weights can't apply."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AUTO,))
+  params = toy_lm.init_params(seed=0)
+  opt = optax_accum.MultiSteps(optax.identity(), 1, axis_name="data")
+
+  def window(params, state, batch):
+    grads, weight = jax.grad(toy_lm.mean_loss, has_aux=True)(params, batch)
+    return opt.update(grads, state, params, weight=weight)[0]
+
+  with pytest.raises(ValueError, match=r"already summed over mesh axis 'data'.*pcast"):
+    _shard_map(window, mesh)(params, opt.init(params), _uneven_batch(seed=0))
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+def test_make_train_step_in_shard_map_matches_one_device(mode):
+  k, updates = 2, 6
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AUTO,))
+  batches = [_uneven_batch(seed=i) for i in range(updates)]
+  params0 = toy_lm.init_params(seed=0)
+  whole, _, _ = toy_lm.whole_batch_run(params0, batches, _adamw())
+
+  opt = optax_accum.MultiSteps(_adamw(), k)
+  step = optax_accum.make_train_step(toy_lm.mean_loss, opt, mode=mode, axis_name="data")
+  spec = P(None, "data") if mode == "scan" else P("data")
+  sharded = jax.jit(
+    jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), spec), out_specs=(P(), P(), P()))
+  )
+  params, state = params0, opt.init(params0)
+  for batch in batches:
+    if mode == "scan":
+      params, state, metrics = sharded(
+        params, state, optax_accum.split_micro_batches(batch, k)
+      )
+    else:
+      for micro_batch in toy_lm.split(batch, k):
+        params, state, metrics = sharded(params, state, micro_batch)
+    np.testing.assert_allclose(metrics["weight"], batch["mask"].sum())
+  assert int(metrics["update_count"]) == updates
+  assert toy_lm.max_rel_diff(params, whole) <= 1e-5
+
+
+def test_pmap_with_axis_name():
+  k = 2
+  batch = _uneven_batch(seed=0)
+  params = toy_lm.init_params(seed=0)
+  whole, _ = jax.grad(toy_lm.mean_loss, has_aux=True)(params, batch)
+  opt = optax_accum.MultiSteps(optax.identity(), k, axis_name="data")
+
+  def window(params, state, micro_batches):
+    return _identity_window(opt, params, micro_batches, state)
+
+  per_device = [
+    jax.tree.map(lambda x: x.reshape(8, -1, *x.shape[1:]), mb)
+    for mb in toy_lm.split(batch, k)
+  ]
+  emitted = jax.pmap(window, axis_name="data", in_axes=(None, None, 0))(
+    params, opt.init(params), per_device
+  )
+  assert toy_lm.rel_error(jax.tree.map(lambda x: x[0], emitted), whole) <= 1e-5
+
+
+def test_axis_name_outside_a_mesh_is_a_clear_error():
+  opt = optax_accum.MultiSteps(optax.identity(), 1, axis_name="data")
+  params = toy_lm.init_params(seed=0)
+  with pytest.raises(ValueError, match=r"`axis_name` 'data' is not a mesh axis here"):
+    jax.jit(opt.update)(params, opt.init(params), params, weight=1.0)
+
+
+def test_train_step_axis_name_must_agree_with_the_optimizer():
+  opt = optax_accum.MultiSteps(optax.identity(), 1, axis_name="data")
+  with pytest.raises(
+    ValueError, match=r"`axis_name` 'batch' differs from the optimizer's 'data'"
+  ):
+    optax_accum.make_train_step(toy_lm.mean_loss, opt, axis_name="batch")
