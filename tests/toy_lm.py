@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import optax_accum
+
 VOCAB = 11
 WIDTH = 8
 
@@ -108,3 +110,11 @@ def whole_batch_run(params, batches, opt, loss_fn=mean_loss):
     losses.append(float(loss))
     norms.append(float(norm))
   return params, losses, norms
+
+
+def adamw_with_schedule(updates: int = 10):
+  """AdamW whose warmup-cosine learning rate counts applied updates."""
+  schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-2, 3, updates, 1e-3)
+  return optax.inject_hyperparams(optax.adamw)(
+    learning_rate=optax_accum.progress_schedule(schedule), weight_decay=0.1
+  )
