@@ -11,7 +11,12 @@ from jax.typing import ArrayLike
 
 
 def split_micro_batches(batch: Any, k: int) -> Any:
-  """Reshapes every leaf from ``[B, ...]`` to ``[k, B // k, ...]``.
+  """Regroups every leaf from ``[B, ...]`` to ``[k, B // k, ...]``.
+
+  Micro-batch ``i`` holds rows ``i, i + k, i + 2k, ...``. Taking every k-th
+  row, rather than consecutive blocks, keeps each device's rows on that device:
+  a batch sharded over a ``data`` axis stays sharded along the second axis,
+  with no all-gather. Any split gives the same window gradient.
 
   The result is what :func:`optax_accum.make_train_step` expects in scan
   mode; ``jax.tree.map(lambda x: x[i], result)`` is micro-batch ``i`` for
@@ -27,9 +32,9 @@ def split_micro_batches(batch: Any, k: int) -> Any:
   Examples:
     >>> import numpy as np, optax_accum
     >>> optax_accum.split_micro_batches({"x": np.arange(6)}, 3)["x"]
-    array([[0, 1],
-           [2, 3],
-           [4, 5]])
+    array([[0, 3],
+           [1, 4],
+           [2, 5]])
   """
   if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
     raise ValueError(f"`k` must be an int >= 1, got {k!r}.")
@@ -43,7 +48,9 @@ def split_micro_batches(batch: Any, k: int) -> Any:
         f"`batch` leaf {jax.tree_util.keystr(path)} has shape {shape}: its "
         f"leading axis must be divisible by k={k}."
       )
-  return jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+  return jax.tree.map(
+    lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch
+  )
 
 
 def causal_lm_target_mask(mask: ArrayLike) -> jax.Array:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from optax_accum._multi_steps import MultiStepsState
@@ -31,12 +32,14 @@ def _find(state: Any, types: tuple[type, ...]) -> list[Any]:
 
 
 def get_hyperparams(opt_state: optax.OptState) -> dict[str, jax.Array]:
-  """The injected hyperparameters of the outermost ``inject_hyperparams``.
+  """The hyperparameters injected anywhere in an optimizer state.
 
   Works on any nesting (``optax.chain``, :class:`optax_accum.MultiSteps`,
-  ``optax.MultiSteps``), inside or outside ``jit``. The values are those the
-  last applied update used (before any update: the first update's).
-  ``learning_rate`` comes first when present.
+  ``optax.MultiSteps``, ``nnx.Optimizer.opt_state``), inside or outside
+  ``jit``. The values are those the last applied update used (before any
+  update: the first update's). ``learning_rate`` comes first when present;
+  where several ``inject_hyperparams`` define the same name (the branches of
+  ``optax.multi_transform``), the first in tree order is reported.
 
   Args:
     opt_state: The state of any optimizer.
@@ -49,10 +52,12 @@ def get_hyperparams(opt_state: optax.OptState) -> dict[str, jax.Array]:
 
   Examples:
     >>> import optax, optax_accum
-    >>> opt = optax.chain(optax.clip(1.0), optax.inject_hyperparams(optax.sgd)(
-    ...     momentum=0.9, learning_rate=0.1))
-    >>> optax_accum.get_hyperparams(opt.init(0.0))
-    {'learning_rate': Array(0.1, dtype=float32), 'momentum': Array(0.9, dtype=float32)}
+    >>> opt = optax.chain(
+    ...     optax.inject_hyperparams(optax.clip_by_global_norm)(max_norm=1.0),
+    ...     optax.inject_hyperparams(optax.sgd)(momentum=0.9, learning_rate=0.1))
+    >>> hyperparams = optax_accum.get_hyperparams(opt.init(0.0))
+    >>> {name: round(float(value), 6) for name, value in hyperparams.items()}
+    {'learning_rate': 0.1, 'max_norm': 1.0, 'momentum': 0.9}
   """
   found = _find(opt_state, _INJECTED)
   if not found:
@@ -60,7 +65,10 @@ def get_hyperparams(opt_state: optax.OptState) -> dict[str, jax.Array]:
       "No hyperparameters in this optimizer state: wrap the optimizer in "
       "optax.inject_hyperparams to make its learning rate visible."
     )
-  hyperparams = dict(found[0].hyperparams)
+  hyperparams: dict[str, jax.Array] = {}
+  for node in found:
+    for name, value in node.hyperparams.items():
+      hyperparams.setdefault(name, jnp.asarray(value))  # Unwraps nnx variables.
   if "learning_rate" in hyperparams:
     hyperparams = {"learning_rate": hyperparams.pop("learning_rate"), **hyperparams}
   return hyperparams
@@ -95,7 +103,7 @@ def get_update_count(opt_state: optax.OptState) -> jax.Array:
   for node_type, field in _COUNTERS:
     found = _find(opt_state, (node_type,))
     if found:
-      return getattr(found[0], field)
+      return jnp.asarray(getattr(found[0], field))
   raise ValueError(
     "No update counter in this optimizer state: expected an optax_accum or "
     "optax MultiSteps, a progress_schedule, or optax.inject_hyperparams."

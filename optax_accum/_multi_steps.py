@@ -435,6 +435,7 @@ class MultiSteps:
     params: optax.Params | None = None,
     *,
     grads_like: optax.Updates | None = None,
+    optional_args: dict[str, Any] | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, MultiStepsState, jax.Array]:
     """Second half of :meth:`update`: ends the window if ``ends`` is true.
@@ -445,6 +446,9 @@ class MultiSteps:
       params: Forwarded to the inner optimizer.
       grads_like: Tree whose leaf dtypes the window gradient is cast to before
         the inner optimizer sees it; defaults to ``params``.
+      optional_args: Extra arguments the inner optimizer gets unless it
+        refuses them, like the window totals (``make_train_step`` passes the
+        window's loss as ``value``).
       **extra_args: Forwarded to the inner optimizer.
 
     Returns:
@@ -472,16 +476,20 @@ class MultiSteps:
         added.acc_grads,
         grads_like,
       )
-      totals = {WINDOW_WEIGHT: acc_weight, WINDOW_MICRO_STEPS: added.mini_step}
+      optional = {
+        WINDOW_WEIGHT: acc_weight,
+        WINDOW_MICRO_STEPS: added.mini_step,
+        **(optional_args or {}),
+      }
       try:
         new_updates, inner = self._opt.update(
-          grads, inner_state, params, **extra_args, **totals
+          grads, inner_state, params, **extra_args, **optional
         )
       except TypeError as e:
-        if not any(name in str(e) for name in totals):
+        if not any(name in str(e) for name in optional):
           raise
         # The inner optimizer rejects extra arguments it does not use (as
-        # optax's line searches do): it runs without the window totals.
+        # optax's line searches do): it runs without the optional ones.
         new_updates, inner = self._opt.update(grads, inner_state, params, **extra_args)
       # Keep the inner state's dtypes so both branches of the cond agree.
       inner = jax.tree.map(

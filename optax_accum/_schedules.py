@@ -76,22 +76,38 @@ class ProgressSchedule:
     per_update = jnp.asarray(self.per_update, state.remainder.dtype)
     remainder = state.remainder + jnp.where(applied, weight, jnp.zeros_like(weight))
     carry = jnp.floor(remainder / per_update)
+    # Saturates at int32's maximum, like optax's counters, instead of wrapping.
+    room = jnp.iinfo(jnp.int32).max - state.whole
+    fits = carry < room.astype(carry.dtype)
+    carry_int = jnp.where(fits, jnp.where(fits, carry, 0).astype(jnp.int32), room)
     return ProgressState(
       updates=updates,
-      whole=state.whole + carry.astype(jnp.int32),
+      whole=state.whole + carry_int,
       remainder=jnp.maximum(remainder - carry * per_update, 0),
     )
 
   def progress(self, state: ProgressState) -> jax.Array:
-    """The schedule's argument: updates (int32), or items / ``per_update``."""
+    """The schedule's argument: updates (int32), or items / ``per_update``.
+
+    The item count is exact in the state; the argument is float32 (relative
+    rounding below 1e-7), so the schedule's value has the dtype it would have
+    with an update count, with or without ``jax_enable_x64``.
+    """
     if self.unit == "updates":
       return state.updates
     per_update = jnp.asarray(self.per_update, state.remainder.dtype)
-    return state.whole.astype(state.remainder.dtype) + state.remainder / per_update
+    fraction = (state.remainder / per_update).astype(jnp.float32)
+    return state.whole.astype(jnp.float32) + fraction
 
   def __call__(self, state: ProgressState, **extra_args: Any) -> jax.Array:
     """The schedule's value for the next update."""
     del extra_args
+    if not isinstance(state, ProgressState):
+      raise ValueError(
+        "progress_schedule makes a stateful schedule: pass it through "
+        "optax.inject_hyperparams (e.g. optax.inject_hyperparams(optax.adamw)("
+        f"learning_rate=schedule)), not straight to an optimizer; got {state!r}."
+      )
     return jnp.asarray(self.schedule(self.progress(state)))
 
 

@@ -24,6 +24,19 @@ def _is_traced(*trees: Any) -> bool:
   return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
 
 
+def _window_loss(state: MultiStepsState) -> jax.Array:
+  """The window's token-mean loss so far (0 for a window without weight)."""
+  positive = state.acc_weight > 0
+  return jnp.where(
+    positive, state.acc_loss / jnp.where(positive, state.acc_weight, 1), 0
+  )
+
+
+def _value(state: MultiStepsState) -> dict[str, jax.Array]:
+  """The window's loss as optax's ``value`` extra argument (reduce_on_plateau)."""
+  return {"value": _window_loss(state)}
+
+
 def _host_int(x: jax.Array) -> int:
   """A replicated scalar's value, read from this process's own copy."""
   if getattr(x, "is_fully_addressable", True):
@@ -47,13 +60,14 @@ def _per_replica(params: Any, summed: ReplicaSum) -> Any:
   return jax.tree.map(local, params)
 
 
-def _unaliased(tree: Any) -> Any:
-  """``tree`` with every repeated array replaced by a copy.
+def _unaliased(donated: Any, kept: Any) -> Any:
+  """``donated`` with every array that is used twice replaced by a copy.
 
-  A buffer cannot be donated twice in one call; an optimizer state built by
-  hand can hold one array in two places.
+  A buffer cannot be donated twice in one call, nor donated and also read as
+  a plain argument (``kept``); a hand-built optimizer state or batch can hold
+  one array in two places.
   """
-  seen: set[int] = set()
+  seen = {id(x) for x in jax.tree.leaves(kept) if isinstance(x, jax.Array)}
 
   def fresh(x: Any) -> Any:
     if not isinstance(x, jax.Array):
@@ -63,7 +77,7 @@ def _unaliased(tree: Any) -> Any:
     seen.add(id(x))
     return x
 
-  return jax.tree.map(fresh, tree)
+  return jax.tree.map(fresh, donated)
 
 
 class TrainStep:
@@ -114,23 +128,24 @@ class TrainStep:
     if not isinstance(opt_state, MultiStepsState):
       raise ValueError(
         "`opt_state` must come from optimizer.init(params) of the optax_accum."
-        f"MultiSteps given to make_train_step, got {type(opt_state).__name__}."
+        "MultiSteps given to make_train_step, got "
+        f"{type(opt_state).__module__}.{type(opt_state).__qualname__}."
       )
     if self.donate and not _is_traced(params, opt_state):
-      params, opt_state = _unaliased((params, opt_state))
+      params, opt_state = _unaliased((params, opt_state), (batch, rng))
     if self.mode == "scan":
       if end_window is not False:
         raise ValueError(
           "`end_window` is for streaming: in scan mode every call ends a window."
         )
       return self.update_program(params, opt_state, batch, rng)
-    if _is_traced(params, opt_state, batch, rng, end_window) or not isinstance(
-      end_window, bool
-    ):
+    if _is_traced(params, opt_state, batch, rng, end_window) or np.ndim(end_window):
       return self.update_program(params, opt_state, batch, rng, end_window)
+    # A concrete flag and concrete counters: the window cannot end on this call
+    # unless the flag says so or the counters reach k.
     mini_step = _host_int(opt_state.mini_step)
     k = int(self.optimizer.k_at(_host_int(opt_state.gradient_step)))
-    if end_window or mini_step + 1 >= k:
+    if bool(end_window) or mini_step + 1 >= k:
       return self.update_program(params, opt_state, batch, rng, end_window)
     return self.accumulate_program(params, opt_state, batch, rng)
 
@@ -160,6 +175,10 @@ class TrainStep:
         if not (isinstance(rest, tuple) and len(rest) == 2):
           raise ValueError(self._contract(f"got (loss, {type(rest).__name__})"))
         return value, rest
+      if isinstance(rest, tuple | list | dict):
+        raise ValueError(
+          self._contract(f"got (loss, {type(rest).__name__}): set has_aux=True?")
+        )
       return value, (rest, None)
 
     (value, (weight, aux)), grads = jax.value_and_grad(loss, has_aux=True)(params)
@@ -172,11 +191,9 @@ class TrainStep:
   def _metrics(
     self, added: MultiStepsState, new_state: MultiStepsState, grad_norm: Any, aux: Any
   ) -> Metrics:
-    weight = added.acc_weight
-    positive = weight > 0
     metrics: Metrics = {
-      "loss": jnp.where(positive, added.acc_loss / jnp.where(positive, weight, 1), 0),
-      "weight": weight,
+      "loss": _window_loss(added),
+      "weight": added.acc_weight,
       "micro_steps": added.mini_step,
       "updated": new_state.updated,
       "update_count": new_state.gradient_step,
@@ -208,7 +225,7 @@ class TrainStep:
     )
     ends = self.optimizer.window_ends(added, counted, end_window)
     updates, new_state, grad_norm = self.optimizer.close(
-      added, ends, params, grads_like=grads
+      added, ends, params, grads_like=grads, optional_args=_value(added)
     )
     params = optax.apply_updates(params, updates)
     return params, new_state, self._metrics(added, new_state, grad_norm, aux)
@@ -229,7 +246,9 @@ class TrainStep:
       return added, aux
 
     added, auxs = jax.lax.scan(body, opt_state, batch)
-    updates, new_state, grad_norm = self.optimizer.close(added, True, params)
+    updates, new_state, grad_norm = self.optimizer.close(
+      added, True, params, optional_args=_value(added)
+    )
     params = optax.apply_updates(params, updates)
     return params, new_state, self._metrics(added, new_state, grad_norm, auxs)
 

@@ -8,57 +8,54 @@ the final params.
 import sys
 
 import jax
+import numpy as np
+import toy_lm
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-port, process_id, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-jax.distributed.initialize(
-  coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id
-)
-
-import numpy as np  # noqa: E402
-import toy_lm  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import optax_accum  # noqa: E402
+import optax_accum
 
 K, UPDATES = 2, 5
-assert jax.process_count() == 2 and jax.device_count() == 4, jax.devices()
-mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-data, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
 
 
-def own_half(micro_batch):
-  """This process's rows of a micro-batch, assembled into one global array."""
-  half = len(micro_batch["mask"]) // 2
-  rows = slice(process_id * half, (process_id + 1) * half)
-  local = {name: value[rows] for name, value in micro_batch.items()}
-  return jax.make_array_from_process_local_data(data, local)
-
-
-params0 = toy_lm.init_params(seed=0)
-params = jax.tree.map(
-  lambda x: jax.make_array_from_callback(
-    x.shape, replicated, lambda idx: np.asarray(x)[idx]
-  ),
-  params0,
-)
-opt = optax_accum.MultiSteps(toy_lm.adamw_with_schedule(), K)
-state = jax.jit(opt.init, out_shardings=replicated)(params)
-step = optax_accum.make_train_step(toy_lm.mean_loss, opt)
-for update in range(UPDATES):
-  for micro_batch in toy_lm.split(toy_lm.make_batch(seed=100 + update, batch=32), K):
-    params, state, metrics = step(params, state, own_half(micro_batch))
-    tokens, updated = float(metrics["weight"]), bool(metrics["updated"])
-    print(f"process {process_id}: tokens {tokens} updated {updated}", flush=True)
-
-if process_id == 0:
-  local = jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), params)
-  np.savez(
-    out,
-    **{
-      jax.tree_util.keystr(path): v
-      for path, v in jax.tree_util.tree_leaves_with_path(local)
-    },
+def main(port: str, process_id: int, out: str) -> None:
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id
   )
-jax.distributed.shutdown()
+  assert jax.process_count() == 2 and jax.device_count() == 4, jax.devices()
+  mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  data, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+
+  def own_half(micro_batch):
+    """This process's rows of a micro-batch, assembled into one global array."""
+    half = len(micro_batch["mask"]) // 2
+    rows = slice(process_id * half, (process_id + 1) * half)
+    local = {name: value[rows] for name, value in micro_batch.items()}
+    return jax.make_array_from_process_local_data(data, local)
+
+  params = jax.tree.map(
+    lambda x: jax.make_array_from_callback(
+      x.shape, replicated, lambda idx: np.asarray(x)[idx]
+    ),
+    toy_lm.init_params(seed=0),
+  )
+  opt = optax_accum.MultiSteps(toy_lm.adamw_with_schedule(), K)
+  state = jax.jit(opt.init, out_shardings=replicated)(params)
+  step = optax_accum.make_train_step(toy_lm.mean_loss, opt)
+  for update in range(UPDATES):
+    batch = toy_lm.make_batch(seed=100 + update, batch=32)
+    for micro_batch in toy_lm.split(batch, K):
+      params, state, metrics = step(params, state, own_half(micro_batch))
+      tokens, updated = float(metrics["weight"]), bool(metrics["updated"])
+      print(f"process {process_id}: tokens {tokens} updated {updated}", flush=True)
+
+  if process_id == 0:
+    local = jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), params)
+    leaves = jax.tree_util.tree_leaves_with_path(local)
+    np.savez(out, **{jax.tree_util.keystr(path): value for path, value in leaves})
+  jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  main(sys.argv[1], int(sys.argv[2]), sys.argv[3])

@@ -254,3 +254,12 @@ def test_train_step_axis_name_must_agree_with_the_optimizer():
     ValueError, match=r"`axis_name` 'batch' differs from the optimizer's 'data'"
   ):
     optax_accum.make_train_step(toy_lm.mean_loss, opt, axis_name="batch")
+
+
+def test_split_micro_batches_keeps_rows_on_their_devices():
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AUTO,))
+  batch = jax.device_put(_uneven_batch(seed=0), NamedSharding(mesh, P("data")))
+  split = optax_accum.split_micro_batches(batch, 2)
+  assert split["mask"].sharding.spec == P(None, "data")
+  hlo = jax.jit(functools.partial(optax_accum.split_micro_batches, k=2)).lower(batch)
+  assert "all-gather" not in hlo.compile().as_text()

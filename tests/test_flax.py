@@ -35,7 +35,7 @@ def _token_mean_ce(logits, batch):
 
 
 def _micro_batches(batch):
-  return [jax.tree.map(lambda x, i=i: np.split(x, K)[i], batch) for i in range(K)]
+  return [jax.tree.map(lambda x, i=i: x[i::K], batch) for i in range(K)]
 
 
 def _rel(a, b):
@@ -89,9 +89,8 @@ def test_nnx_split_merge_with_make_train_step():
 
 def test_nnx_optimizer_forwards_weight():
   model = MLP(nnx.Rngs(0))
-  optimizer = nnx.Optimizer(
-    model, optax_accum.MultiSteps(optax.adam(1e-2), K), wrt=nnx.Param
-  )
+  adam = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+  optimizer = nnx.Optimizer(model, optax_accum.MultiSteps(adam, K), wrt=nnx.Param)
 
   @nnx.jit
   def micro_step(model, optimizer, batch):
@@ -105,6 +104,10 @@ def test_nnx_optimizer_forwards_weight():
     for micro_batch in _micro_batches(batch):
       micro_step(model, optimizer, micro_batch)
   assert _rel(nnx.state(model, nnx.Param), _nnx_whole_batch_params()) <= 1e-5
+  # The logging helpers read through nnx's variables.
+  lr = optax_accum.get_hyperparams(optimizer.opt_state)["learning_rate"]
+  assert f"{lr:.0e}" == "1e-02"
+  assert int(optax_accum.get_update_count(optimizer.opt_state)) == UPDATES
 
 
 # --- Linen ----------------------------------------------------------------------

@@ -221,6 +221,34 @@ def test_progress_stays_exact_after_a_trillion_tokens():
   assert weights.sum() > np.iinfo(np.int32).max  # And an int32 total overflows.
 
 
+def test_counter_saturates_instead_of_wrapping():
+  schedule = optax_accum.progress_schedule(lambda p: p, unit="weight", per_update=1)
+  state = schedule.init()
+  for _ in range(3):
+    state = schedule.update(state, window_weight=jnp.float32(1e9))
+  assert int(state.whole) == np.iinfo(np.int32).max  # 3e9 would wrap negative.
+  assert float(schedule(state)) > 2e9
+
+
+def test_weight_progress_keeps_float32_learning_rates_under_x64():
+  with jax.enable_x64(True):
+    lr = optax_accum.progress_schedule(SCHEDULE, unit="weight", per_update=8)
+    opt = optax_accum.MultiSteps(_sgd(lr), 2)
+    params = jnp.zeros(3, jnp.float32)
+    state = opt.init(params)
+    for _ in range(4):
+      updates, state = opt.update(jnp.ones(3, jnp.float32), state, params, weight=4)
+    assert updates.dtype == jnp.float32
+    assert optax_accum.get_hyperparams(state)["learning_rate"].dtype == jnp.float32
+    np.testing.assert_allclose(_lr(state), _expected(1), rtol=1e-6)
+
+
+def test_passing_it_straight_to_an_optimizer_explains_the_fix():
+  opt = optax.sgd(optax_accum.progress_schedule(SCHEDULE))
+  with pytest.raises(ValueError, match=r"pass it through optax.inject_hyperparams"):
+    opt.update(jnp.ones(2), opt.init(jnp.zeros(2)))
+
+
 # --- Plumbing -------------------------------------------------------------------
 
 

@@ -135,7 +135,9 @@ def test_streaming_compiles_at_most_two_programs():
   state = opt.init(params)
   for i in range(3 * k + 2):
     batch = toy_lm.split(toy_lm.make_batch(seed=i), k)[0]
-    params, state, metrics = step(params, state, batch, end_window=i == 3 * k + 1)
+    # A numpy flag, as a data loader would give it, is read on the host too.
+    end = np.bool_(i == 3 * k + 1)
+    params, state, metrics = step(params, state, batch, end_window=end)
   assert int(metrics["update_count"]) == 4  # Three full windows, one cut short.
   assert len(traces) == 2
 
@@ -280,6 +282,39 @@ def test_aux_is_returned_per_micro_batch_and_stacked_in_scan():
   )
 
 
+def test_inner_optimizer_gets_the_window_loss_as_value():
+  """optax.contrib.reduce_on_plateau needs `value=`: the window's token-mean loss."""
+  k = 2
+  plateau = optax.contrib.reduce_on_plateau(patience=1, factor=0.5, accumulation_size=1)
+  opt = optax_accum.MultiSteps(optax.chain(optax.sgd(0.1), plateau), k)
+  step = optax_accum.make_train_step(toy_lm.mean_loss, opt)
+  params = toy_lm.init_params(seed=0)
+  state = opt.init(params)
+  batch = toy_lm.make_batch(seed=0)
+  whole_loss, _ = toy_lm.mean_loss(params, batch)
+  for micro_batch in toy_lm.split(batch, k):
+    params, state, metrics = step(params, state, micro_batch)
+  plateau_state = state.inner_opt_state[1]
+  np.testing.assert_allclose(plateau_state.best_value, whole_loss, rtol=1e-5)
+  assert float(metrics["loss"]) == float(plateau_state.best_value)
+
+
+def test_a_batch_array_shared_with_params_is_not_donated_away():
+  """The step donates params; a batch leaf that is the same buffer is copied first."""
+  opt = optax_accum.MultiSteps(optax.sgd(0.1), 2)
+
+  def loss_fn(params, batch):
+    return jnp.mean((batch["x"] @ params["w"]) ** 2), jnp.float32(3)
+
+  step = optax_accum.make_train_step(loss_fn, opt)
+  params = {"w": jnp.eye(3)}
+  state = opt.init(params)
+  batch = {"x": params["w"]}  # The params' own buffer.
+  for _ in range(2):
+    params, state, metrics = step(params, state, batch)
+  assert bool(metrics["updated"]) and not batch["x"].is_deleted()
+
+
 # --- Errors -----------------------------------------------------------------------
 
 
@@ -310,6 +345,14 @@ def test_loss_fn_contract_is_checked():
   with pytest.raises(
     ValueError, match=r"must return \(loss, \(weight, aux\)\) with has_aux=True"
   ):
+    step(params, opt.init(params), batch)
+
+  def aux_loss(params, batch):
+    loss, weight = toy_lm.mean_loss(params, batch)
+    return loss, (weight, {"tokens": weight})
+
+  step = optax_accum.make_train_step(aux_loss, opt)
+  with pytest.raises(ValueError, match=r"got \(loss, tuple\): set has_aux=True\?"):
     step(params, opt.init(params), batch)
 
 
@@ -369,4 +412,4 @@ def test_jit_helper_split_is_traceable():
   split = jax.jit(functools.partial(optax_accum.split_micro_batches, k=2))(
     {"x": jnp.arange(4)}
   )
-  np.testing.assert_array_equal(split["x"], [[0, 1], [2, 3]])
+  np.testing.assert_array_equal(split["x"], [[0, 2], [1, 3]])
