@@ -436,6 +436,7 @@ class MultiSteps:
     *,
     grads_like: optax.Updates | None = None,
     optional_args: dict[str, Any] | None = None,
+    apply_to: optax.Params | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, MultiStepsState, jax.Array]:
     """Second half of :meth:`update`: ends the window if ``ends`` is true.
@@ -449,6 +450,9 @@ class MultiSteps:
       optional_args: Extra arguments the inner optimizer gets unless it
         refuses them, like the window totals (``make_train_step`` passes the
         window's loss as ``value``).
+      apply_to: Optional params: return them updated (unchanged when no
+        update applies) instead of the updates. Applying inside the
+        conditional saves materialising a tree of zeros and adding it.
       **extra_args: Forwarded to the inner optimizer.
 
     Returns:
@@ -498,6 +502,8 @@ class MultiSteps:
         inner_state,
       )
       norm = optax.tree.norm(added.acc_grads) / scale.astype(jnp.float32)
+      if apply_to is not None:
+        new_updates = optax.apply_updates(apply_to, new_updates)
       return new_updates, inner, norm.astype(jnp.float32)
 
     def hold() -> tuple[optax.Updates, optax.OptState, jax.Array]:
@@ -505,10 +511,14 @@ class MultiSteps:
       # the mesh axes they vary over.
       jaxpr, shapes = jax.make_jaxpr(apply_update, return_shape=True)()
       avals = jax.tree.unflatten(jax.tree.structure(shapes), jaxpr.out_avals)
-      zeros = jax.tree.map(
-        lambda a: _varying_like(jnp.zeros(a.shape, a.dtype), a), (avals[0], avals[2])
-      )
-      return zeros[0], jax.tree.map(_varying_like, inner_state, avals[1]), zeros[1]
+      if apply_to is None:
+        unchanged = jax.tree.map(
+          lambda a: _varying_like(jnp.zeros(a.shape, a.dtype), a), avals[0]
+        )
+      else:
+        unchanged = jax.tree.map(_varying_like, apply_to, avals[0])
+      norm = _varying_like(jnp.zeros(avals[2].shape, avals[2].dtype), avals[2])
+      return unchanged, jax.tree.map(_varying_like, inner_state, avals[1]), norm
 
     new_updates, inner_opt_state, grad_norm = jax.lax.cond(applies, apply_update, hold)
 

@@ -224,10 +224,14 @@ class TrainStep:
       grads, opt_state, params, weight=weight, loss=value
     )
     ends = self.optimizer.window_ends(added, counted, end_window)
-    updates, new_state, grad_norm = self.optimizer.close(
-      added, ends, params, grads_like=grads, optional_args=_value(added)
+    params, new_state, grad_norm = self.optimizer.close(
+      added,
+      ends,
+      params,
+      grads_like=grads,
+      optional_args=_value(added),
+      apply_to=params,
     )
-    params = optax.apply_updates(params, updates)
     return params, new_state, self._metrics(added, new_state, grad_norm, aux)
 
   def _scan(
@@ -246,10 +250,9 @@ class TrainStep:
       return added, aux
 
     added, auxs = jax.lax.scan(body, opt_state, batch)
-    updates, new_state, grad_norm = self.optimizer.close(
-      added, True, params, optional_args=_value(added)
+    params, new_state, grad_norm = self.optimizer.close(
+      added, True, params, optional_args=_value(added), apply_to=params
     )
-    params = optax.apply_updates(params, updates)
     return params, new_state, self._metrics(added, new_state, grad_norm, auxs)
 
 
