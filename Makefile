@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint typecheck notebooks clean
+.PHONY: demo test lint typecheck notebooks bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,11 +22,15 @@ test: lint typecheck
 	$(PY) -m pytest -n 2
 
 lint: $(STAMP)
-	$(PY) -m ruff check optax_accum tests
-	$(PY) -m ruff format --check optax_accum tests
+	$(PY) -m ruff check optax_accum tests benchmarks
+	$(PY) -m ruff format --check optax_accum tests benchmarks
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
+
+## bench: side-by-side timings and XLA cost/memory analysis (a few minutes).
+bench: $(STAMP)
+	$(PY) -m benchmarks.accumulation $(ARGS)
 
 ## notebooks: re-execute the notebooks in place, so their committed outputs are current.
 notebooks: $(STAMP)

@@ -437,6 +437,7 @@ class MultiSteps:
     grads_like: optax.Updates | None = None,
     optional_args: dict[str, Any] | None = None,
     apply_to: optax.Params | None = None,
+    branchless: bool = False,
     **extra_args: Any,
   ) -> tuple[optax.Updates, MultiStepsState, jax.Array]:
     """Second half of :meth:`update`: ends the window if ``ends`` is true.
@@ -453,6 +454,11 @@ class MultiSteps:
       apply_to: Optional params: return them updated (unchanged when no
         update applies) instead of the updates. Applying inside the
         conditional saves materialising a tree of zeros and adding it.
+      branchless: Run the inner optimizer unconditionally and keep its result
+        only if the window ends with positive weight (``jnp.where``, so a NaN
+        from an empty window is dropped too). For callers that only call
+        ``close`` when the window is about to end: XLA then compiles one fused
+        program instead of a conditional, which is much faster on CPU.
       **extra_args: Forwarded to the inner optimizer.
 
     Returns:
@@ -520,7 +526,15 @@ class MultiSteps:
       norm = _varying_like(jnp.zeros(avals[2].shape, avals[2].dtype), avals[2])
       return unchanged, jax.tree.map(_varying_like, inner_state, avals[1]), norm
 
-    new_updates, inner_opt_state, grad_norm = jax.lax.cond(applies, apply_update, hold)
+    if branchless:
+      new, kept = apply_update(), hold()
+      new_updates, inner_opt_state, grad_norm = jax.tree.map(
+        lambda a, b: jnp.where(applies, a, b), new, kept
+      )
+    else:
+      new_updates, inner_opt_state, grad_norm = jax.lax.cond(
+        applies, apply_update, hold
+      )
 
     def reset(x: jax.Array) -> jax.Array:
       return jnp.where(ends, jnp.zeros_like(x), x)

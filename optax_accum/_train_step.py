@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -91,10 +92,14 @@ class TrainStep:
   Streaming compiles two programs: one that only accumulates, and one that
   accumulates and, if the window ends, updates. Each call picks one by reading
   the optimizer state's own counters (``mini_step``, ``gradient_step``), so
-  the choice can never drift from the state; the update program is also
-  correct on any micro-step, and is what runs when the step is traced inside
-  the caller's own ``jit`` or ``scan``. Reading the counters waits for the
-  previous call to finish.
+  the choice can never drift from the state; reading them waits for the
+  previous call to finish. The update program runs the inner optimizer
+  without a conditional and keeps its result only if the window really ends
+  with positive weight (a skipped last micro-batch, an empty window), which
+  XLA compiles far faster than a ``lax.cond``. Traced inside the caller's own
+  ``jit`` or ``scan``, where the counters cannot be read, the step runs
+  ``in_graph_program``: correct on any micro-step, with the optimizer inside a
+  ``lax.cond`` so it still runs once per window.
   """
 
   def __init__(
@@ -112,8 +117,12 @@ class TrainStep:
     self.donate = donate
     donate_argnums = (0, 1) if donate else ()
     self.update_program = jax.jit(
-      self._scan if mode == "scan" else self._update, donate_argnums=donate_argnums
+      self._scan
+      if mode == "scan"
+      else functools.partial(self._update, branchless=True),
+      donate_argnums=donate_argnums,
     )
+    self.in_graph_program = jax.jit(self._update, donate_argnums=donate_argnums)
     self.accumulate_program = jax.jit(self._accumulate, donate_argnums=donate_argnums)
 
   def __call__(
@@ -140,7 +149,7 @@ class TrainStep:
         )
       return self.update_program(params, opt_state, batch, rng)
     if _is_traced(params, opt_state, batch, rng, end_window) or np.ndim(end_window):
-      return self.update_program(params, opt_state, batch, rng, end_window)
+      return self.in_graph_program(params, opt_state, batch, rng, end_window)
     # A concrete flag and concrete counters: the window cannot end on this call
     # unless the flag says so or the counters reach k.
     mini_step = _host_int(opt_state.mini_step)
@@ -217,7 +226,13 @@ class TrainStep:
     return params, added, self._metrics(added, added, 0.0, aux)
 
   def _update(
-    self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any, end_window: Any
+    self,
+    params: Any,
+    opt_state: MultiStepsState,
+    batch: Any,
+    rng: Any,
+    end_window: Any,
+    branchless: bool = False,
   ) -> StepOutput:
     grads, value, weight, aux = self._grads(params, batch, rng, opt_state)
     added, counted = self.optimizer.add(
@@ -231,6 +246,7 @@ class TrainStep:
       grads_like=grads,
       optional_args=_value(added),
       apply_to=params,
+      branchless=branchless,
     )
     return params, new_state, self._metrics(added, new_state, grad_norm, aux)
 
@@ -251,7 +267,7 @@ class TrainStep:
 
     added, auxs = jax.lax.scan(body, opt_state, batch)
     params, new_state, grad_norm = self.optimizer.close(
-      added, True, params, optional_args=_value(added), apply_to=params
+      added, True, params, optional_args=_value(added), apply_to=params, branchless=True
     )
     return params, new_state, self._metrics(added, new_state, grad_norm, auxs)
 

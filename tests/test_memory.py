@@ -63,11 +63,9 @@ def test_scan_temp_bytes_do_not_grow_with_k_but_the_whole_batch_does():
   assert whole_temp[16] > 1.5 * whole_temp[4], whole_temp
 
 
-def test_streaming_temp_bytes_against_optax_multisteps():
-  """The accumulate-only program (k - 1 of every k calls) needs less scratch
-  memory than `optax.MultiSteps`; the update program, once per window, at
-  most 20% more (it measured 1.17x here: the window-end `cond` materialises
-  the accumulated gradient)."""
+def test_streaming_temp_bytes_no_larger_than_optax_multisteps():
+  """Both streaming programs need no more scratch memory than optax.MultiSteps;
+  the accumulate-only one (k - 1 of every k calls) far less."""
   params, micro = _params(), _batch(ROWS)
   ours = optax_accum.MultiSteps(optax.adamw(1e-3), 4)
   step = optax_accum.make_train_step(_loss, ours)
@@ -85,7 +83,7 @@ def test_streaming_temp_bytes_against_optax_multisteps():
     jax.jit(optax_step, donate_argnums=(0, 1)), params, theirs.init(params), micro
   )
   assert accumulate_temp <= 0.5 * theirs_temp, (accumulate_temp, theirs_temp)
-  assert update_temp <= 1.2 * theirs_temp, (update_temp, theirs_temp)
+  assert update_temp <= theirs_temp, (update_temp, theirs_temp)
 
 
 def test_state_holds_params_sized_buffers_only_for_accumulator_and_inner():
