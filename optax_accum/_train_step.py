@@ -265,7 +265,11 @@ class TrainStep:
       added, _ = self.optimizer.add(grads, state, params, weight=weight, loss=value)
       return added, aux
 
-    added, auxs = jax.lax.scan(body, opt_state, batch)
+    # The inner optimizer's state stays out of the loop carry: only the
+    # accumulator changes inside the scan.
+    carry = opt_state._replace(inner_opt_state=None)
+    added, auxs = jax.lax.scan(body, carry, batch)
+    added = added._replace(inner_opt_state=opt_state.inner_opt_state)
     params, new_state, grad_norm = self.optimizer.close(
       added, True, params, optional_args=_value(added), apply_to=params, branchless=True
     )
