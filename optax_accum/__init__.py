@@ -1,5 +1,6 @@
 """Gradient accumulation for JAX/Optax, exactly equivalent to the whole batch."""
 
+from optax_accum._audit import AuditReport, Verdict, audit
 from optax_accum._batching import causal_lm_target_mask, split_micro_batches
 from optax_accum._inspect import get_hyperparams, get_update_count
 from optax_accum._multi_steps import (
@@ -16,12 +17,15 @@ __version__ = "0.1.0"
 __all__ = (
   "WINDOW_MICRO_STEPS",
   "WINDOW_WEIGHT",
+  "AuditReport",
   "MultiSteps",
   "MultiStepsState",
   "ProgressSchedule",
   "ProgressState",
   "TrainStep",
+  "Verdict",
   "__version__",
+  "audit",
   "causal_lm_target_mask",
   "get_hyperparams",
   "get_update_count",
