@@ -72,46 +72,34 @@ def micro_stepped_schedule(optimizer, k):
   return init, step
 
 
-def off_by_one_loop(optimizer, k):
-  """F4: `step % k == 0` on a 0-based count: the first update uses one micro-batch."""
+def hand_loop(ends_window):
+  """A token-weighted loop that runs the optimizer where `ends_window(i, k)` says."""
 
-  def init(params):
-    return optimizer.init(params), jax.tree.map(jnp.zeros_like, params), 0.0, 0
+  def accumulation(optimizer, k):
+    def init(params):
+      return optimizer.init(params), jax.tree.map(jnp.zeros_like, params), 0.0, 0
 
-  def step(params, state, micro_batch):
-    opt_state, acc, total, i = state
-    grads, weight = _grad(params, micro_batch)
-    acc = jax.tree.map(lambda a, g: a + weight * g, acc, grads)
-    total = total + weight
-    if i % k == 0:
-      mean = jax.tree.map(lambda a: a / total, acc)
-      updates, opt_state = optimizer.update(mean, opt_state, params)
-      params = optax.apply_updates(params, updates)
-      acc, total = jax.tree.map(jnp.zeros_like, acc), 0.0
-    return params, (opt_state, acc, total, i + 1)
+    def step(params, state, micro_batch):
+      opt_state, acc, total, i = state
+      grads, weight = _grad(params, micro_batch)
+      acc = jax.tree.map(lambda a, g: a + weight * g, acc, grads)
+      total = total + weight
+      if ends_window(i, k):
+        mean = jax.tree.map(lambda a: a / total, acc)
+        updates, opt_state = optimizer.update(mean, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        acc, total = jax.tree.map(jnp.zeros_like, acc), 0.0
+      return params, (opt_state, acc, total, i + 1)
 
-  return init, step
+    return init, step
+
+  return accumulation
 
 
-def correct_hand_loop(optimizer, k):
-  """A careful loop: token-weighted sum, optimizer once per window."""
-
-  def init(params):
-    return optimizer.init(params), jax.tree.map(jnp.zeros_like, params), 0.0, 0
-
-  def step(params, state, micro_batch):
-    opt_state, acc, total, i = state
-    grads, weight = _grad(params, micro_batch)
-    acc = jax.tree.map(lambda a, g: a + weight * g, acc, grads)
-    total = total + weight
-    if i % k == k - 1:
-      mean = jax.tree.map(lambda a: a / total, acc)
-      updates, opt_state = optimizer.update(mean, opt_state, params)
-      params = optax.apply_updates(params, updates)
-      acc, total = jax.tree.map(jnp.zeros_like, acc), 0.0
-    return params, (opt_state, acc, total, i + 1)
-
-  return init, step
+# A careful loop: the optimizer once, on the last micro-batch of each window.
+correct_hand_loop = hand_loop(lambda i, k: i % k == k - 1)
+# F4: `step % k == 0` on a 0-based count: the first update uses one micro-batch.
+off_by_one_loop = hand_loop(lambda i, k: i % k == 0)
 
 
 def _audit(accumulation=None, batch=None):

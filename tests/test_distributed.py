@@ -209,13 +209,7 @@ def test_make_train_step_in_shard_map_matches_one_device(mode):
   )
   params, state = params0, opt.init(params0)
   for batch in batches:
-    if mode == "scan":
-      params, state, metrics = sharded(
-        params, state, optax_accum.split_micro_batches(batch, k)
-      )
-    else:
-      for micro_batch in toy_lm.split(batch, k):
-        params, state, metrics = sharded(params, state, micro_batch)
+    params, state, metrics = toy_lm.feed_window(sharded, params, state, batch, k, mode)
     np.testing.assert_allclose(metrics["weight"], batch["mask"].sum())
   assert int(metrics["update_count"]) == updates
   assert toy_lm.max_rel_diff(params, whole) <= 1e-5

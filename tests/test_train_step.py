@@ -42,13 +42,7 @@ def test_stream_scan_and_whole_batch_give_the_same_params(k):
     state = opt.init(params)
     losses, norms = [], []
     for batch in batches:
-      if mode == "scan":
-        params, state, metrics = step(
-          params, state, optax_accum.split_micro_batches(batch, k)
-        )
-      else:
-        for micro_batch in toy_lm.split(batch, k):
-          params, state, metrics = step(params, state, micro_batch)
+      params, state, metrics = toy_lm.feed_window(step, params, state, batch, k, mode)
       assert bool(metrics["updated"])
       np.testing.assert_allclose(metrics["weight"], batch["mask"].sum())
       losses.append(float(metrics["loss"]))
@@ -202,14 +196,9 @@ def test_rng_gives_each_micro_batch_its_own_reproducible_key():
     opt = optax_accum.MultiSteps(optax.adam(1e-2), k)
     step = optax_accum.make_train_step(_dropout_loss, opt, mode=mode)
     params, state = _copy(params0), opt.init(params0)
+    key = jax.random.key(seed)
     for batch in batches:
-      if mode == "scan":
-        params, state, _ = step(
-          params, state, optax_accum.split_micro_batches(batch, k), jax.random.key(seed)
-        )
-      else:
-        for micro_batch in toy_lm.split(batch, k):
-          params, state, _ = step(params, state, micro_batch, jax.random.key(seed))
+      params, state, _ = toy_lm.feed_window(step, params, state, batch, k, mode, key)
     return params
 
   stream = run("stream", 0)

@@ -118,3 +118,12 @@ def adamw_with_schedule(updates: int = 10):
   return optax.inject_hyperparams(optax.adamw)(
     learning_rate=optax_accum.progress_schedule(schedule), weight_decay=0.1
   )
+
+
+def feed_window(step, params, state, batch, k, mode, *extra):
+  """One window through a `make_train_step` step: `k` calls, or one in scan mode."""
+  if mode == "scan":
+    return step(params, state, optax_accum.split_micro_batches(batch, k), *extra)
+  for micro_batch in split(batch, k):
+    params, state, metrics = step(params, state, micro_batch, *extra)
+  return params, state, metrics
