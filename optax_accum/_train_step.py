@@ -95,8 +95,9 @@ class TrainStep:
   the choice can never drift from the state; reading them waits for the
   previous call to finish. The update program runs the inner optimizer
   without a conditional and keeps its result only if the window really ends
-  with positive weight (a skipped last micro-batch, an empty window), which
-  XLA compiles far faster than a ``lax.cond``. Traced inside the caller's own
+  with positive weight (not after a skipped last micro-batch or an empty
+  window): one fused program, which runs far faster than a ``lax.cond`` on
+  CPU. Traced inside the caller's own
   ``jit`` or ``scan``, where the counters cannot be read, the step runs
   ``in_graph_program``: correct on any micro-step, with the optimizer inside a
   ``lax.cond`` so it still runs once per window.
