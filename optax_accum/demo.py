@@ -111,6 +111,7 @@ def make_loss(graphdef: Any) -> Callable[[Any, Any], tuple[jax.Array, jax.Array]
 
 
 def _rel(a: Any, b: Any) -> float:
+  """``||a - b|| / ||b||`` over whole trees."""
   return float(optax.tree.norm(jax.tree.map(jnp.subtract, a, b)) / optax.tree.norm(b))
 
 
@@ -119,7 +120,13 @@ def _micro(batch: dict[str, np.ndarray], k: int) -> list[dict[str, np.ndarray]]:
 
 
 def train(
-  name: str, loss_fn: Callable, params: Any, batches: list, k: int, adamw: Any
+  name: str,
+  loss_fn: Callable,
+  params: Any,
+  batches: list,
+  k: int,
+  adamw: Any,
+  progress: Callable[[], Any],
 ) -> dict[str, Any]:
   """One run; returns final params, per-update losses and learning rates."""
   copy = jax.tree.map(jnp.copy, params)
@@ -145,6 +152,7 @@ def train(
     for micro_batch in [batch] if name == "whole batch" else _micro(batch, k):
       copy, state, _ = micro_step(copy, state, micro_batch)
     losses.append(float(evaluate(copy, batch)[0]))  # The whole batch, after the update.
+    progress()
     lrs.append(float(optax_accum.get_hyperparams(state)["learning_rate"]))
   return {"params": copy, "losses": losses, "lrs": lrs}
 
@@ -200,14 +208,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
     "optax_accum": _rel(jax.tree.map(lambda x: x / total, weighted), whole_grad),
   }
 
+  names = list(grad_errors)
   try:
     from tqdm import tqdm
+
+    bar = tqdm(total=len(names) * args.steps, desc="training", unit="update")
   except ImportError:  # The progress bar is optional.
-    tqdm = None
-  names = list(grad_errors)
+    bar = None
   runs = {}
-  for name in tqdm(names, desc="training runs", unit="run") if tqdm else names:
-    runs[name] = train(name, loss_fn, params, batches, args.k, adamw)
+  for name in names:
+    if bar is not None:
+      bar.set_postfix_str(name)
+    tick = bar.update if bar is not None else (lambda: None)
+    runs[name] = train(name, loss_fn, params, batches, args.k, adamw, tick)
+  if bar is not None:
+    bar.close()
 
   reference = runs["whole batch"]
   print(f"\n{args.steps} AdamW updates of {BATCH} sequences, k={args.k} micro-batches")
