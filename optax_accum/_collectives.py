@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 AxisName = str | tuple[str, ...]
 
 
 def _varying(x: Any) -> frozenset[str]:
+  """The manual mesh axes over which ``x`` differs between replicas."""
   return jax.typeof(x).manual_axis_type.varying
+
+
+def varying_over(x: Any, axes: Iterable[str]) -> jax.Array:
+  """``x``, marked as differing per replica over ``axes`` (``shard_map`` types).
+
+  Only the axes ``x`` is not marked with already are added; outside
+  ``shard_map`` (no axes to add) ``x`` comes back as it is.
+  """
+  missing = tuple(sorted(set(axes) - _varying(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else jnp.asarray(x)
 
 
 class ReplicaSum:

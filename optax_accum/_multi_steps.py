@@ -12,7 +12,7 @@ import optax
 from jax.typing import ArrayLike, DTypeLike
 
 from optax_accum import _checks
-from optax_accum._collectives import AxisName, ReplicaSum
+from optax_accum._collectives import AxisName, ReplicaSum, varying_over
 
 GradReduction = Literal["mean", "sum"]
 EveryKSchedule = int | Callable[[jax.Array], ArrayLike]
@@ -77,15 +77,9 @@ def _validated_every_k(
   return lambda step: k
 
 
-def _varying_axes(aval: Any) -> frozenset[str]:
-  """The manual (``shard_map``) mesh axes a value of type ``aval`` varies over."""
-  return aval.manual_axis_type.varying
-
-
 def _varying_like(x: ArrayLike, aval: Any) -> jax.Array:
   """``x``, marked as varying over the manual mesh axes ``aval`` varies over."""
-  missing = tuple(sorted(_varying_axes(aval) - _varying_axes(jax.typeof(x))))
-  return jax.lax.pcast(x, missing, to="varying") if missing else jnp.asarray(x)
+  return varying_over(x, aval.manual_axis_type.varying)
 
 
 class MultiSteps:

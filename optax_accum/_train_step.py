@@ -12,7 +12,7 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike
 
-from optax_accum._collectives import AxisName, ReplicaSum
+from optax_accum._collectives import AxisName, ReplicaSum, varying_over
 from optax_accum._inspect import get_hyperparams
 from optax_accum._multi_steps import MultiSteps, MultiStepsState
 
@@ -53,12 +53,7 @@ def _per_replica(params: Any, summed: ReplicaSum) -> Any:
   """
   if not summed.tracked:
     return params
-
-  def local(p: Any) -> Any:
-    missing = tuple(a for a in summed.axes if a not in summed.local_axes(p))
-    return jax.lax.pcast(p, missing, to="varying") if missing else p
-
-  return jax.tree.map(local, params)
+  return jax.tree.map(lambda p: varying_over(p, summed.axes), params)
 
 
 def _unaliased(donated: Any, kept: Any) -> Any:
