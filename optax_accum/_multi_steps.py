@@ -15,6 +15,7 @@ from optax_accum import _checks
 from optax_accum._collectives import AxisName, ReplicaSum, varying_over
 
 GradReduction = Literal["mean", "sum"]
+NonFinitePolicy = Literal["skip_window", "skip_micro_batch"]
 EveryKSchedule = int | Callable[[jax.Array], ArrayLike]
 ShouldSkipUpdateFn = Callable[..., tuple[ArrayLike, Any]]
 
@@ -45,6 +46,11 @@ class MultiStepsState(NamedTuple):
       ``weight * loss`` (``"mean"``) or ``loss`` (``"sum"``) for calls that pass
       ``loss=``; divided by ``acc_weight`` it is the window's token-mean loss.
     updated: bool ``[]``. Whether the last call applied an update.
+    skipped_micro_batches: int32 ``[]``, saturating. Micro-batches dropped on
+      their own: a negative or non-finite ``weight``, or (with
+      ``on_nonfinite="skip_micro_batch"``) a non-finite gradient or loss.
+    skipped_windows: int32 ``[]``, saturating. Windows that ended with positive
+      weight but a non-finite gradient or loss, and so without an update.
     skip_state: Whatever ``should_skip_update_fn`` returned last; ``()``
       without one.
   """
@@ -56,6 +62,8 @@ class MultiStepsState(NamedTuple):
   acc_weight: jax.Array
   acc_loss: jax.Array
   updated: jax.Array
+  skipped_micro_batches: jax.Array
+  skipped_windows: jax.Array
   skip_state: Any = ()
 
 
@@ -75,6 +83,18 @@ def _validated_every_k(
     raise ValueError(f"`every_k_schedule` must be >= 1, got {every_k_schedule}.")
   k = int(every_k_schedule)
   return lambda step: k
+
+
+def _all_finite(*trees: Any) -> jax.Array:
+  """Whether every element of every leaf is finite (a bool scalar)."""
+  finite = jnp.array(True)
+  for leaf in jax.tree.leaves(trees):
+    finite = finite & jnp.all(jnp.isfinite(leaf))
+  return finite
+
+
+def _count_if(flag: jax.Array, counter: jax.Array) -> jax.Array:
+  return jnp.where(flag, optax.safe_increment(counter), counter)
 
 
 def _varying_like(x: ArrayLike, aval: Any) -> jax.Array:
@@ -111,18 +131,22 @@ class MultiSteps:
 
   What each micro-batch does to the window:
 
-  ========================================  =======================  ========
-  micro-batch                               counts towards ``k``     adds
-  ========================================  =======================  ========
-  ``weight > 0``                            yes                      its grad
-  ``weight == 0`` (all padding)             yes                      nothing
-  ``weight`` negative or not finite         yes                      nothing
-  rejected by ``should_skip_update_fn``     no (as in optax)         nothing
-  ========================================  =======================  ========
+  =====================================  ================  ========
+  micro-batch                            counts towards k  adds
+  =====================================  ================  ========
+  ``weight > 0``, finite gradient        yes               its grad
+  ``weight == 0`` (all padding)          yes               nothing
+  ``weight`` negative or not finite      yes, as skipped   nothing
+  non-finite grad, ``skip_micro_batch``  yes, as skipped   nothing
+  non-finite grad, ``skip_window``       yes               its grad
+  rejected by ``should_skip_update_fn``  no (as in optax)  nothing
+  =====================================  ================  ========
 
-  "Adds nothing" is a selection, so a NaN gradient in such a micro-batch never
-  reaches the accumulator, and the accumulator is reset by selection too: a NaN
-  in one window cannot leak into the next.
+  A window whose summed gradient (or loss) is not finite ends without an
+  update whatever the policy: the inner state, ``gradient_step`` and any
+  schedule are untouched, and ``skipped_windows`` counts it. "Adds nothing"
+  and the reset at the end of a window are selections, not products with 0,
+  so a NaN never stays in the accumulator past its window.
 
   Args:
     opt: The optimizer to run once per window.
@@ -143,6 +167,11 @@ class MultiSteps:
       (or axes) to sum weights, weighted gradients and losses over, so each
       window's gradient is the token mean over all replicas. Not needed under
       ``jit`` with sharded arrays, where gradients are already global.
+    on_nonfinite: What a non-finite (NaN or infinite) gradient or loss in a
+      micro-batch with positive weight does: ``"skip_window"`` (default) drops
+      its whole window atomically when the window ends; ``"skip_micro_batch"``
+      drops only that micro-batch (one more check per micro-batch) and keeps
+      the window. Either way the state counts what was dropped.
 
   Examples:
     Two micro-batches with 1 and 3 tokens: the emitted gradient is the token
@@ -173,6 +202,7 @@ class MultiSteps:
     *,
     grad_reduction: GradReduction = "mean",
     axis_name: AxisName | None = None,
+    on_nonfinite: NonFinitePolicy = "skip_window",
   ):
     if not (hasattr(opt, "init") and hasattr(opt, "update")):
       raise ValueError(
@@ -181,6 +211,11 @@ class MultiSteps:
     if grad_reduction not in ("mean", "sum"):
       raise ValueError(
         f"`grad_reduction` must be 'mean' or 'sum', got {grad_reduction!r}."
+      )
+    if on_nonfinite not in ("skip_window", "skip_micro_batch"):
+      raise ValueError(
+        "`on_nonfinite` must be 'skip_window' or 'skip_micro_batch', got "
+        f"{on_nonfinite!r}."
       )
     if not isinstance(use_grad_mean, bool | np.bool_):
       raise ValueError(f"`use_grad_mean` must be a bool, got {use_grad_mean!r}.")
@@ -200,6 +235,7 @@ class MultiSteps:
     )
     self._grad_reduction = grad_reduction
     self._axis_name = axis_name
+    self._on_nonfinite = on_nonfinite
 
   @property
   def inner_opt(self) -> optax.GradientTransformationExtraArgs:
@@ -216,6 +252,11 @@ class MultiSteps:
   def axis_name(self) -> AxisName | None:
     """The mesh axis (or axes) weights and gradients are summed over, if any."""
     return self._axis_name
+
+  @property
+  def on_nonfinite(self) -> NonFinitePolicy:
+    """What a non-finite gradient drops: its micro-batch or its whole window."""
+    return self._on_nonfinite
 
   @property
   def grad_reduction(self) -> GradReduction:
@@ -257,6 +298,8 @@ class MultiSteps:
       acc_weight=jnp.zeros([], weight_dtype),
       acc_loss=jnp.zeros([], weight_dtype),
       updated=jnp.zeros([], jnp.bool_),
+      skipped_micro_batches=jnp.zeros([], jnp.int32),
+      skipped_windows=jnp.zeros([], jnp.int32),
       skip_state=skip_state,
     )
 
@@ -352,7 +395,16 @@ class MultiSteps:
 
     # Negative or non-finite weights count towards k but add nothing. The
     # `where` (not a product with 0) keeps a NaN gradient out of the sum.
-    adds = counted & jnp.isfinite(w) & (w > 0)
+    valid = jnp.isfinite(w) & (w >= 0)
+    dropped = counted & ~valid
+    adds = counted & valid & (w > 0)
+    if self._on_nonfinite == "skip_micro_batch":
+      bad = adds & ~_all_finite(updates, () if loss is None else loss)
+      if summed is not None:  # Dropped on every replica, like a rejection.
+        bad = summed(bad.astype(jnp.int32)) > 0
+      adds, dropped = adds & ~bad, dropped | (counted & bad)
+    if summed is not None:  # One count for the micro-batch, on every replica.
+      dropped = summed(dropped.astype(jnp.int32)) > 0
     w = jnp.where(adds, w, jnp.zeros_like(w))
     total_w = w if summed is None else summed(w)  # Over all replicas.
 
@@ -401,6 +453,7 @@ class MultiSteps:
       acc_weight=state.acc_weight + total_w,
       acc_loss=acc_loss,
       updated=jnp.zeros_like(state.updated),
+      skipped_micro_batches=_count_if(dropped, state.skipped_micro_batches),
       skip_state=skip_state,
     )
     return added, counted
@@ -470,7 +523,10 @@ class MultiSteps:
       grads_like = params if params is not None else added.acc_grads
     ends = jnp.asarray(ends)
     acc_weight = added.acc_weight
-    applies = ends & (acc_weight > 0)
+    positive = ends & (acc_weight > 0)
+    # One reduction per window: a NaN or Inf anywhere in the window skips it.
+    nonfinite = positive & ~_all_finite(added.acc_grads, added.acc_loss)
+    applies = positive & ~nonfinite
     inner_state = added.inner_opt_state
 
     def apply_update() -> tuple[optax.Updates, optax.OptState, jax.Array]:
@@ -543,6 +599,7 @@ class MultiSteps:
       acc_weight=reset(acc_weight),
       acc_loss=reset(added.acc_loss),
       updated=applies,
+      skipped_windows=_count_if(nonfinite, added.skipped_windows),
     )
     return new_updates, new_state, grad_norm
 

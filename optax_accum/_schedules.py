@@ -14,25 +14,39 @@ from optax_accum._multi_steps import WINDOW_WEIGHT
 ProgressUnit = Literal["updates", "weight"]
 
 
+#: ``whole_low`` stays below this; ``whole_high`` counts its multiples.
+WHOLE_BASE = 2**30
+
+
 class ProgressState(NamedTuple):
   """State of a :func:`progress_schedule`.
 
-  Items consumed are ``whole * per_update + remainder``: an integer count of
-  nominal updates plus a float remainder below ``per_update``, so the progress
-  stays exact long after a float32 or int32 running total would not.
+  Items consumed are ``(whole_high * 2**30 + whole_low) * per_update +
+  remainder``: an integer count of nominal updates in two int32 words (exact up
+  to 2**61 of them, saturating there) plus a float remainder below
+  ``per_update``, so progress stays exact long after a float32 or int32
+  running total would not.
 
   Attributes:
-    updates: int32 ``[]``. Optimizer updates applied (windows with positive
-      weight).
-    whole: int32 ``[]``. Whole multiples of ``per_update`` items consumed
-      (0 unless ``unit="weight"``).
-    remainder: float ``[]``. Items consumed beyond ``whole * per_update``, in
+    updates: int32 ``[]``, saturating. Optimizer updates applied (windows with
+      positive weight).
+    whole_high: int32 ``[]``. Whole multiples of ``2**30 * per_update`` items
+      consumed (0 unless ``unit="weight"``).
+    whole_low: int32 ``[]``. Further whole multiples of ``per_update`` items,
+      in ``[0, 2**30)``.
+    remainder: float ``[]``. Items consumed beyond the whole multiples, in
       ``[0, per_update)``.
   """
 
   updates: jax.Array
-  whole: jax.Array
+  whole_high: jax.Array
+  whole_low: jax.Array
   remainder: jax.Array
+
+
+def _saturating_add(a: jax.Array, b: jax.Array) -> jax.Array:
+  """``a + b`` for int32 ``a, b >= 0``, stopping at int32's maximum."""
+  return jnp.where(b <= jnp.iinfo(jnp.int32).max - a, a + b, jnp.iinfo(jnp.int32).max)
 
 
 class ProgressSchedule:
@@ -53,7 +67,8 @@ class ProgressSchedule:
     dtype = jnp.asarray(0.0).dtype  # float64 under jax_enable_x64.
     return ProgressState(
       updates=jnp.zeros([], jnp.int32),
-      whole=jnp.zeros([], jnp.int32),
+      whole_high=jnp.zeros([], jnp.int32),
+      whole_low=jnp.zeros([], jnp.int32),
       remainder=jnp.zeros([], dtype),
     )
 
@@ -75,14 +90,17 @@ class ProgressSchedule:
       return state._replace(updates=updates)
     per_update = jnp.asarray(self.per_update, state.remainder.dtype)
     remainder = state.remainder + jnp.where(applied, weight, jnp.zeros_like(weight))
-    carry = jnp.floor(remainder / per_update)
-    # Saturates at int32's maximum, like optax's counters, instead of wrapping.
-    room = jnp.iinfo(jnp.int32).max - state.whole
-    fits = carry < room.astype(carry.dtype)
-    carry_int = jnp.where(fits, jnp.where(fits, carry, 0).astype(jnp.int32), room)
+    carry = jnp.floor(remainder / per_update)  # Whole nominal updates, >= 0.
+    # Split the carry in base 2**30 (exact: a power of two) before any int cast.
+    base = jnp.asarray(WHOLE_BASE, carry.dtype)
+    carry_high = jnp.floor(carry / base)
+    low = state.whole_low + (carry - carry_high * base).astype(jnp.int32)
+    high = jnp.minimum(carry_high, jnp.iinfo(jnp.int32).max).astype(jnp.int32)
+    high = _saturating_add(_saturating_add(state.whole_high, high), low // WHOLE_BASE)
     return ProgressState(
       updates=updates,
-      whole=state.whole + carry_int,
+      whole_high=high,
+      whole_low=low % WHOLE_BASE,
       remainder=jnp.maximum(remainder - carry * per_update, 0),
     )
 
@@ -97,7 +115,8 @@ class ProgressSchedule:
       return state.updates
     per_update = jnp.asarray(self.per_update, state.remainder.dtype)
     fraction = (state.remainder / per_update).astype(jnp.float32)
-    return state.whole.astype(jnp.float32) + fraction
+    high = state.whole_high.astype(jnp.float32) * jnp.float32(WHOLE_BASE)
+    return high + state.whole_low.astype(jnp.float32) + fraction
 
   def __call__(self, state: ProgressState, **extra_args: Any) -> jax.Array:
     """The schedule's value for the next update."""

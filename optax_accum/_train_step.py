@@ -203,6 +203,8 @@ class TrainStep:
       "updated": new_state.updated,
       "update_count": new_state.gradient_step,
       "grad_norm": jnp.asarray(grad_norm, jnp.float32),
+      "skipped_micro_batches": new_state.skipped_micro_batches,
+      "skipped_windows": new_state.skipped_windows,
     }
     try:
       hyperparams = get_hyperparams(new_state)
@@ -299,8 +301,10 @@ def make_train_step(
   ``metrics`` holds ``loss`` (token-weighted mean loss of the window so far, or
   of the window just completed), ``weight`` (its total weight),
   ``micro_steps``, ``updated``, ``update_count``, ``grad_norm`` (global norm
-  of the gradient applied, 0 when none), ``learning_rate`` when the optimizer
-  injects one, and ``aux`` with ``has_aux=True`` (stacked in scan mode).
+  of the gradient applied, 0 when none), the run's ``skipped_micro_batches``
+  and ``skipped_windows`` (see :class:`optax_accum.MultiStepsState`),
+  ``learning_rate`` when the optimizer injects one, and ``aux`` with
+  ``has_aux=True`` (stacked in scan mode).
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> (loss, weight)``, or ``(loss, (weight,

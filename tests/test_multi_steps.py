@@ -436,6 +436,8 @@ def test_state_fields():
     "acc_weight",
     "acc_loss",
     "updated",
+    "skipped_micro_batches",
+    "skipped_windows",
     "skip_state",
   )
   assert state.mini_step.dtype == state.gradient_step.dtype == jnp.int32

@@ -1,0 +1,193 @@
+"""Non-finite gradients: skip the micro-batch or the whole window, and count it."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import toy_lm
+
+import optax_accum
+
+K = 4
+POLICIES = ["skip_window", "skip_micro_batch"]
+
+
+def _stream(windows: int = 3):
+  """``windows`` windows of K micro-batches with their gradients and weights."""
+  params = toy_lm.init_params(seed=0)
+  stream = []
+  for w in range(windows):
+    for mb in toy_lm.split(toy_lm.make_batch(seed=w), K):
+      grads, weight = toy_lm.grad_and_weight(toy_lm.mean_loss, params, mb)
+      stream.append((grads, weight))
+  return params, stream
+
+
+def _poison(grads, value):
+  """``grads`` with one element of one leaf set to ``value``."""
+  return {**grads, "head": {**grads["head"], "b": grads["head"]["b"].at[3].set(value)}}
+
+
+def _run(opt, params, stream):
+  """Feeds ``stream`` through ``opt`` under jit; returns params and states."""
+  step = jax.jit(opt.update)
+  state, states = opt.init(params), []
+  for grads, weight in stream:
+    updates, state = step(grads, state, params, weight=weight)
+    params = optax.apply_updates(params, updates)
+    states.append(state)
+  return params, states
+
+
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
+def test_skip_window_drops_the_whole_window_atomically(bad):
+  params, stream = _stream()
+  opt = optax_accum.MultiSteps(toy_lm.adamw_with_schedule(), K)
+  poisoned = list(stream)
+  poisoned[K + 1] = (_poison(stream[K + 1][0], bad), stream[K + 1][1])
+  got, states = _run(opt, params, poisoned)
+
+  skipped = states[2 * K - 1]  # The state after the poisoned window ended.
+  assert not bool(skipped.updated)
+  assert int(skipped.gradient_step) == 1 and int(skipped.mini_step) == 0
+  assert int(skipped.skipped_windows) == 1 and int(skipped.skipped_micro_batches) == 0
+  # Inner state and the schedule's count are those of the window before.
+  chex.assert_trees_all_equal(skipped.inner_opt_state, states[K - 1].inner_opt_state)
+  chex.assert_trees_all_equal(
+    skipped.acc_grads, jax.tree.map(jnp.zeros_like, skipped.acc_grads)
+  )
+  # The run is the run that never saw the window: nothing leaks into the next.
+  want, _ = _run(opt, params, stream[:K] + stream[2 * K :])
+  chex.assert_trees_all_equal(got, want)
+  assert int(states[-1].gradient_step) == 2
+
+
+@pytest.mark.parametrize("where", ["grads", "loss"])
+def test_skip_micro_batch_keeps_the_rest_of_the_window(where):
+  params, stream = _stream(windows=1)
+  opt = optax_accum.MultiSteps(
+    optax.identity(), K, on_nonfinite="skip_micro_batch", use_grad_mean=True
+  )
+  state = opt.init(params)
+  for i, (grads, weight) in enumerate(stream):
+    loss = jnp.float32(1.0)
+    if i == 2:
+      grads = _poison(grads, jnp.nan) if where == "grads" else grads
+      loss = jnp.float32(jnp.nan) if where == "loss" else loss
+    out, state = jax.jit(opt.update)(grads, state, weight=weight, loss=loss)
+  assert bool(state.updated)
+  assert int(state.skipped_micro_batches) == 1 and int(state.skipped_windows) == 0
+  kept = [s for i, s in enumerate(stream) if i != 2]
+  total = sum(float(w) for _, w in kept)
+  want = jax.tree.map(lambda *g: g[0] * 0, kept[0][0])
+  for grads, weight in kept:
+    want = jax.tree.map(lambda a, g, w=weight: a + float(w) * g, want, grads)
+  chex.assert_trees_all_close(out, jax.tree.map(lambda x: x / total, want), rtol=2e-6)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_all_padding_micro_batch_with_nan_gradient_is_not_a_skip(policy):
+  """0 tokens: mean loss 0/0 is NaN, but weight 0 adds nothing and drops nothing."""
+  params, stream = _stream(windows=1)
+  opt = optax_accum.MultiSteps(optax.identity(), K, on_nonfinite=policy)
+  padding = (jax.tree.map(lambda g: jnp.full_like(g, jnp.nan), stream[0][0]), 0.0)
+  _, states = _run(opt, params, [padding, *stream[1:]])
+  _, clean = _run(opt, params, [(stream[0][0], 0.0), *stream[1:]])
+  assert bool(states[-1].updated)
+  assert int(states[-1].skipped_micro_batches) == int(states[-1].skipped_windows) == 0
+  chex.assert_trees_all_equal(states[-1], clean[-1])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_window_that_overflows_is_skipped_under_either_policy(policy):
+  """Finite micro-batches whose weighted sum overflows float32 are caught too."""
+  opt = optax_accum.MultiSteps(optax.sgd(1.0), 2, on_nonfinite=policy)
+  params = {"w": jnp.ones(3)}
+  state = opt.init(params)
+  huge = {"w": jnp.full(3, 3e38)}
+  for _ in range(2):
+    updates, state = opt.update(huge, state, params, weight=2.0)
+  assert int(state.skipped_windows) == 1 and int(state.skipped_micro_batches) == 0
+  chex.assert_trees_all_equal(updates, {"w": jnp.zeros(3)})
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_train_step_reports_skips_and_keeps_params(mode, policy):
+  def loss_fn(params, batch):
+    loss, weight = toy_lm.mean_loss(params, batch)
+    return loss * jnp.prod(batch["scale"]), weight  # A NaN row poisons it all.
+
+  opt = optax_accum.MultiSteps(optax.adamw(1e-2), K, on_nonfinite=policy)
+  step = optax_accum.make_train_step(loss_fn, opt, mode=mode, donate=False)
+  params = toy_lm.init_params(seed=0)
+  state = opt.init(params)
+  batch = toy_lm.make_batch(seed=0)
+  scale = np.ones(len(batch["mask"]), np.float32)
+  scale[1] = np.nan  # Row 1: micro-batch 1 of the window (rows i::K).
+  batch["scale"] = scale
+  new_params, state, metrics = toy_lm.feed_window(step, params, state, batch, K, mode)
+  skipped_window = policy == "skip_window"
+  assert int(metrics["skipped_windows"]) == int(skipped_window)
+  assert int(metrics["skipped_micro_batches"]) == int(not skipped_window)
+  assert bool(metrics["updated"]) is not skipped_window
+  if skipped_window:
+    chex.assert_trees_all_equal(new_params, params)
+  else:
+    chex.assert_tree_all_finite(new_params)
+    assert toy_lm.max_rel_diff(new_params, params) > 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_replicas_agree_on_what_to_skip_under_shard_map(policy):
+  devices = 4
+  if jax.device_count() < devices:
+    pytest.skip("needs 4 devices")
+  mesh = jax.make_mesh((devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  spec = jax.sharding.PartitionSpec("data")
+  params = {"w": jnp.zeros(3)}
+  opt = optax_accum.MultiSteps(
+    optax.identity(), 2, axis_name="data", on_nonfinite=policy
+  )
+
+  def window(grads, weights):
+    state = opt.init(params)
+    for i in range(2):
+      updates, state = opt.update({"w": grads[0, i]}, state, weight=weights[0, i])
+    return jax.tree.map(lambda x: x[None], (updates, state))
+
+  grads = np.arange(devices * 2 * 3, dtype=np.float32).reshape(devices, 2, 3)
+  grads[2, 1, 0] = np.nan  # Replica 2's second micro-batch.
+  weights = np.full((devices, 2), 2.0, np.float32)
+  run = jax.jit(jax.shard_map(window, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
+  updates, state = run(grads, weights)
+  for name in ("skipped_windows", "skipped_micro_batches", "updated"):
+    assert len(set(np.asarray(getattr(state, name)).tolist())) == 1, name
+  if policy == "skip_window":
+    np.testing.assert_array_equal(updates["w"], 0.0)
+    np.testing.assert_array_equal(state.skipped_windows, 1)
+  else:  # The second micro-batch is dropped on every replica.
+    np.testing.assert_allclose(updates["w"][0], grads[:, 0].mean(axis=0), rtol=1e-6)
+    np.testing.assert_array_equal(state.skipped_micro_batches, 1)
+
+
+def test_skip_counters_saturate():
+  top = jnp.iinfo(jnp.int32).max
+  nan = {"w": jnp.full(2, jnp.nan)}
+  for policy, counter in [
+    ("skip_micro_batch", "skipped_micro_batches"),
+    ("skip_window", "skipped_windows"),
+  ]:
+    opt = optax_accum.MultiSteps(optax.identity(), 1, on_nonfinite=policy)
+    state = opt.init({"w": jnp.zeros(2)})._replace(**{counter: jnp.int32(top)})
+    _, state = opt.update(nan, state)
+    assert int(getattr(state, counter)) == top, policy
+
+
+def test_policy_is_checked():
+  with pytest.raises(ValueError, match=r"`on_nonfinite` must be 'skip_window' or"):
+    optax_accum.MultiSteps(optax.sgd(1.0), 2, on_nonfinite="raise")
+  opt = optax_accum.MultiSteps(optax.sgd(1.0), 2, on_nonfinite="skip_micro_batch")
+  assert opt.on_nonfinite == "skip_micro_batch"
