@@ -351,6 +351,7 @@ def test_bad_weight_counts_towards_k_but_adds_nothing(bad):
   _, state = opt.update(
     jax.tree.map(lambda g: g * jnp.nan, _grads(1)), state, weight=bad
   )
+  assert int(state.skipped_micro_batches) == 1
   out, state = opt.update(_grads(2), state, weight=6)
   assert bool(state.updated)
   expected = jax.tree.map(lambda a, b: (2 * a + 6 * b) / 8, _grads(0), _grads(2))
@@ -520,6 +521,42 @@ def test_integer_params_are_rejected_with_their_path():
   opt = optax_accum.MultiSteps(optax.sgd(1.0), 2)
   with pytest.raises(ValueError, match=r"`params` leaf \['step'\] has dtype int32"):
     opt.init({"w": jnp.zeros(2), "step": jnp.zeros([], jnp.int32)})
+
+
+def test_frozen_leaves_stay_bit_identical_through_multi_transform():
+  """Frozen params: label them for `optax.set_to_zero` inside the accumulator."""
+  labels = {"w": "train", "b": "frozen"}
+  inner = optax.multi_transform(
+    {"train": optax.adam(0.1), "frozen": optax.set_to_zero()}, labels
+  )
+  opt = optax_accum.MultiSteps(inner, 2)
+  params, state = PARAMS, opt.init(PARAMS)
+  for i in range(6):
+    updates, state = jax.jit(opt.update)(_grads(i), state, params, weight=i + 1)
+    params = optax.apply_updates(params, updates)
+  assert int(state.gradient_step) == 3
+  np.testing.assert_array_equal(params["b"], PARAMS["b"])
+  assert float(jnp.abs(params["w"] - PARAMS["w"]).max()) > 0.1
+
+
+def test_vmap_over_update_gives_each_stream_its_window():
+  opt = optax_accum.MultiSteps(optax.adam(0.1), 2)
+  streams = 3
+  states = jax.vmap(lambda _: opt.init(PARAMS))(jnp.arange(streams))
+  for i in range(2):
+    grads = jax.tree.map(
+      lambda *g: jnp.stack(g), *[_grads(10 * s + i) for s in range(streams)]
+    )
+    weights = jnp.arange(1.0, streams + 1) * (i + 1)
+    out, states = jax.vmap(lambda g, st, w: opt.update(g, st, weight=w))(
+      grads, states, weights
+    )
+  for s in range(streams):
+    state = opt.init(PARAMS)
+    for i in range(2):
+      want, state = opt.update(_grads(10 * s + i), state, weight=(s + 1.0) * (i + 1))
+    chex.assert_trees_all_close(jax.tree.map(lambda x: x[s], out), want, rtol=1e-6)
+  assert np.asarray(states.gradient_step).tolist() == [1] * streams
 
 
 def test_end_window_must_be_a_bool_scalar():

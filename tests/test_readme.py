@@ -29,3 +29,14 @@ def test_ci_runs_the_readme_test_command():
   assert commands == ["make demo", "make test"]
   ci = (ROOT / ".ci" / "run").read_text().splitlines()
   assert "make test" in ci
+
+
+def test_every_row_of_what_happens_when_names_a_test_that_exists():
+  section = README.split("### What happens when...", 1)[1].split("\n## ", 1)[0]
+  rows = [line for line in section.splitlines() if line.startswith("| ")][1:]
+  assert len(rows) >= 20
+  for row in rows:
+    match = re.search(r"`(test_\w+\.py)::(\w+)`", row)
+    assert match, f"no test named in row: {row}"
+    source = (ROOT / "tests" / match[1]).read_text()
+    assert re.search(rf"^\s*(def|class) {match[2]}\b", source, re.MULTILINE), row
