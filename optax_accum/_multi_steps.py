@@ -102,6 +102,22 @@ def _varying_like(x: ArrayLike, aval: Any) -> jax.Array:
   return varying_over(x, aval.manual_axis_type.varying)
 
 
+def _once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
+  """``fn(init)`` if ``pred`` else ``init``, as a loop that runs once or never.
+
+  Examples:
+    >>> _once_if(jnp.array(True), lambda x: x + 1, jnp.array(1.0))
+    Array(2., dtype=float32, weak_type=True)
+    >>> _once_if(jnp.array(False), lambda x: x + 1, jnp.array(1.0))
+    Array(1., dtype=float32, weak_type=True)
+  """
+  return jax.lax.while_loop(
+    lambda carry: carry[0],
+    lambda carry: (jnp.zeros_like(carry[0]), fn(carry[1])),
+    (pred, init),
+  )[1]
+
+
 class MultiSteps:
   r"""Accumulates gradients over a window of micro-batches, weighted by items.
 
@@ -501,11 +517,13 @@ class MultiSteps:
       apply_to: Optional params: return them updated (unchanged when no
         update applies) instead of the updates. Applying inside the
         conditional saves materialising a tree of zeros and adding it.
-      branchless: Run the inner optimizer unconditionally and keep its result
-        only if the window ends with positive weight (``jnp.where``, so a NaN
-        from an empty window is dropped too). For callers that only call
-        ``close`` when the window is about to end: XLA then compiles one fused
-        program instead of a conditional, which is much faster on CPU.
+      branchless: Run the inner optimizer in a ``while_loop`` that runs once
+        if the window ends with positive weight and never otherwise, instead
+        of a ``lax.cond``. XLA updates the loop's carry (params, optimizer
+        state) in place, where a ``cond`` or a select between new and old
+        values copies them first; on CPU it is also much faster than a
+        ``cond``. For callers that call ``close`` when the window is about to
+        end (a loop that never runs still costs its inputs' liveness).
       **extra_args: Forwarded to the inner optimizer.
 
     Returns:
@@ -529,11 +547,19 @@ class MultiSteps:
     applies = positive & ~nonfinite
     inner_state = added.inner_opt_state
 
-    def apply_update() -> tuple[optax.Updates, optax.OptState, jax.Array]:
+    def apply_update(
+      inner_state: optax.OptState = inner_state,
+      apply_to: optax.Params | None = apply_to,
+      params: optax.Params | None = params,
+      acc_grads: optax.Updates = added.acc_grads,
+    ) -> tuple[optax.Updates, optax.OptState, jax.Array]:
       scale = acc_weight if self._use_grad_mean else jnp.ones_like(acc_weight)
+      inverse = 1 / scale
       grads = jax.tree.map(
-        lambda acc, g: (acc / scale.astype(acc.dtype)).astype(jnp.result_type(g)),
-        added.acc_grads,
+        # A product with the reciprocal (within 1 ulp of the quotient): XLA
+        # fuses it into the optimizer's ops, where a quotient gets a buffer.
+        lambda acc, g: (acc * inverse.astype(acc.dtype)).astype(jnp.result_type(g)),
+        acc_grads,
         grads_like,
       )
       optional = {
@@ -557,7 +583,7 @@ class MultiSteps:
         inner,
         inner_state,
       )
-      norm = optax.tree.norm(added.acc_grads) / scale.astype(jnp.float32)
+      norm = optax.tree.norm(acc_grads) / scale.astype(jnp.float32)
       if apply_to is not None:
         new_updates = optax.apply_updates(apply_to, new_updates)
       return new_updates, inner, norm.astype(jnp.float32)
@@ -576,18 +602,26 @@ class MultiSteps:
       norm = _varying_like(jnp.zeros(avals[2].shape, avals[2].dtype), avals[2])
       return unchanged, jax.tree.map(_varying_like, inner_state, avals[1]), norm
 
+    def reset(x: jax.Array) -> jax.Array:
+      return jnp.where(ends, jnp.zeros_like(x), x)
+
     if branchless:
-      new, kept = apply_update(), hold()
-      new_updates, inner_opt_state, grad_norm = jax.tree.map(
-        lambda a, b: jnp.where(applies, a, b), new, kept
-      )
+      # The update runs in a loop that runs once or never: XLA updates a loop's
+      # carry in place, where a select between the new and the old values (or
+      # a cond) keeps both alive and copies params and optimizer state first.
+      in_place = apply_to is not None and apply_to is params
+
+      def update(carry: Any) -> Any:
+        out, inner, _ = carry
+        applied_to = None if apply_to is None else out
+        return apply_update(inner, applied_to, out if in_place else params)
+
+      new_updates, inner_opt_state, grad_norm = _once_if(applies, update, hold())
     else:
       new_updates, inner_opt_state, grad_norm = jax.lax.cond(
         applies, apply_update, hold
       )
-
-    def reset(x: jax.Array) -> jax.Array:
-      return jnp.where(ends, jnp.zeros_like(x), x)
+    acc_grads = jax.tree.map(reset, added.acc_grads)
 
     new_state = added._replace(
       mini_step=reset(added.mini_step),
@@ -595,7 +629,7 @@ class MultiSteps:
         applies, optax.safe_increment(added.gradient_step), added.gradient_step
       ),
       inner_opt_state=inner_opt_state,
-      acc_grads=jax.tree.map(reset, added.acc_grads),
+      acc_grads=acc_grads,
       acc_weight=reset(acc_weight),
       acc_loss=reset(added.acc_loss),
       updated=applies,

@@ -248,8 +248,11 @@ def test_metrics_report_the_window_so_far():
     "updated",
     "update_count",
     "grad_norm",
+    "skipped_micro_batches",
+    "skipped_windows",
     "learning_rate",
   }
+  assert int(metrics["skipped_micro_batches"]) == int(metrics["skipped_windows"]) == 0
 
 
 def test_aux_is_returned_per_micro_batch_and_stacked_in_scan():
