@@ -4,6 +4,8 @@ Wall-time targets live in `benchmarks/accumulation.py`; these cannot drift with
 machine noise.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -125,3 +127,23 @@ def test_inner_optimizer_runs_once_per_window_in_the_train_step(mode):
   jax.effects_barrier()
   assert len(calls) == windows
   assert int(state.gradient_step) == windows
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+def test_update_programs_copy_no_params_sized_buffer(mode):
+  """Params, optimizer state and accumulator are updated in place: no `copy`."""
+  params = _params()
+  opt = optax_accum.MultiSteps(optax.adamw(1e-3), 4)
+  step = optax_accum.make_train_step(_loss, opt, mode=mode)
+  state = opt.init(params)
+  if mode == "scan":
+    args = (params, state, optax_accum.split_micro_batches(_batch(ROWS * 4), 4), None)
+  else:
+    args = (params, state, _batch(ROWS), None, False)
+  programs = {"update": (step.update_program, args)}
+  programs["empty"] = (step.empty_program, (state.acc_grads, jnp.asarray(True)))
+  for name, (program, program_args) in programs.items():
+    hlo = program.lower(*program_args).compile().as_text()
+    copies = re.findall(rf"= f32\[{WIDTH},{WIDTH}\]\S* copy\(", hlo)
+    assert not copies, f"{name}: {len(copies)} params-sized copies"
+    assert "input_output_alias" in hlo, name  # The donated buffers are reused.
