@@ -518,12 +518,12 @@ class MultiSteps:
         update applies) instead of the updates. Applying inside the
         conditional saves materialising a tree of zeros and adding it.
       branchless: Run the inner optimizer in a ``while_loop`` that runs once
-        if the window ends with positive weight and never otherwise, instead
-        of a ``lax.cond``. XLA updates the loop's carry (params, optimizer
-        state) in place, where a ``cond`` or a select between new and old
-        values copies them first; on CPU it is also much faster than a
-        ``cond``. For callers that call ``close`` when the window is about to
-        end (a loop that never runs still costs its inputs' liveness).
+        if the window ends with positive weight and a finite sum, and never
+        otherwise, instead of a ``lax.cond``. XLA updates the loop's carry
+        (params, optimizer state) in place, where a ``cond`` or a select
+        between new and old values copies them first; on CPU it is also much
+        faster than a ``cond``. For callers that call ``close`` when the
+        window is about to end.
       **extra_args: Forwarded to the inner optimizer.
 
     Returns:
@@ -551,7 +551,6 @@ class MultiSteps:
       inner_state: optax.OptState = inner_state,
       apply_to: optax.Params | None = apply_to,
       params: optax.Params | None = params,
-      acc_grads: optax.Updates = added.acc_grads,
     ) -> tuple[optax.Updates, optax.OptState, jax.Array]:
       scale = acc_weight if self._use_grad_mean else jnp.ones_like(acc_weight)
       inverse = 1 / scale
@@ -559,7 +558,7 @@ class MultiSteps:
         # A product with the reciprocal (within 1 ulp of the quotient): XLA
         # fuses it into the optimizer's ops, where a quotient gets a buffer.
         lambda acc, g: (acc * inverse.astype(acc.dtype)).astype(jnp.result_type(g)),
-        acc_grads,
+        added.acc_grads,
         grads_like,
       )
       optional = {
@@ -583,7 +582,7 @@ class MultiSteps:
         inner,
         inner_state,
       )
-      norm = optax.tree.norm(acc_grads) / scale.astype(jnp.float32)
+      norm = optax.tree.norm(added.acc_grads) / scale.astype(jnp.float32)
       if apply_to is not None:
         new_updates = optax.apply_updates(apply_to, new_updates)
       return new_updates, inner, norm.astype(jnp.float32)
