@@ -39,7 +39,8 @@ class MultiStepsState(NamedTuple):
     inner_opt_state: State of the wrapped optimizer. Touched only by updates.
     acc_grads: Like params, in the accumulator dtype. The window's running sum
       of ``weight * grad`` (``grad_reduction="mean"``) or of ``grad``
-      (``"sum"``).
+      (``"sum"``). While ``mini_step`` is 0 it counts as zeros, whatever it
+      holds: ``make_train_step`` leaves the last window's sum there.
     acc_weight: float ``[]``, the accumulator's widest dtype. The window's
       running sum of weights.
     acc_loss: Like ``acc_weight``. The window's running sum of
@@ -454,9 +455,13 @@ class MultiSteps:
     if loss is not None:
       loss = _checks.scalar(loss, name="loss", dtype=weight_dtype)
       acc_loss = acc_loss + contribution(loss, acc_loss.dtype, "`loss`")
+    # A window's first micro-batch overwrites whatever the accumulator holds
+    # (see `close(empty_accumulator=False)`): a select fused into the add.
+    first = state.mini_step == 0
     acc_grads = jax.tree_util.tree_map_with_path(
       lambda path, acc, g: (
-        acc + contribution(g, acc.dtype, f"`updates` leaf {jax.tree_util.keystr(path)}")
+        jnp.where(first, jnp.zeros_like(acc), acc)
+        + contribution(g, acc.dtype, f"`updates` leaf {jax.tree_util.keystr(path)}")
       ),
       state.acc_grads,
       updates,
@@ -501,6 +506,7 @@ class MultiSteps:
     optional_args: dict[str, Any] | None = None,
     apply_to: optax.Params | None = None,
     branchless: bool = False,
+    empty_accumulator: bool = True,
     **extra_args: Any,
   ) -> tuple[optax.Updates, MultiStepsState, jax.Array]:
     """Second half of :meth:`update`: ends the window if ``ends`` is true.
@@ -524,6 +530,10 @@ class MultiSteps:
         between new and old values copies them first; on CPU it is also much
         faster than a ``cond``. For callers that call ``close`` when the
         window is about to end.
+      empty_accumulator: Zero ``acc_grads`` when the window ends (default).
+        ``False`` leaves the window's sum there, for the next :meth:`add` to
+        overwrite (a window's first micro-batch ignores what the accumulator
+        holds): zeroing it in a program that also reads it makes XLA copy it.
       **extra_args: Forwarded to the inner optimizer.
 
     Returns:
@@ -620,7 +630,9 @@ class MultiSteps:
       new_updates, inner_opt_state, grad_norm = jax.lax.cond(
         applies, apply_update, hold
       )
-    acc_grads = jax.tree.map(reset, added.acc_grads)
+    acc_grads = added.acc_grads
+    if empty_accumulator:
+      acc_grads = jax.tree.map(reset, acc_grads)
 
     new_state = added._replace(
       mini_step=reset(added.mini_step),

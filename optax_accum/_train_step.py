@@ -19,9 +19,6 @@ from optax_accum._multi_steps import MultiSteps, MultiStepsState
 Mode = Literal["stream", "scan"]
 Metrics = dict[str, Any]
 StepOutput = tuple[optax.Params, MultiStepsState, Metrics]
-# An update program's output: the accumulator not yet emptied, and whether the
-# window ended (so ``empty_program`` empties it).
-UnemptiedOutput = tuple[optax.Params, MultiStepsState, Metrics, jax.Array]
 
 
 def _is_traced(*trees: Any) -> bool:
@@ -79,11 +76,6 @@ def _unaliased(donated: Any, kept: Any) -> Any:
   return jax.tree.map(fresh, donated)
 
 
-def _emptied(acc_grads: Any, ends: jax.Array) -> Any:
-  """The accumulator, zeroed if the window ``ends``."""
-  return jax.tree.map(lambda x: jnp.where(ends, jnp.zeros_like(x), x), acc_grads)
-
-
 class TrainStep:
   """The callable that :func:`make_train_step` returns.
 
@@ -100,10 +92,9 @@ class TrainStep:
   loop that runs once if the window really ends with positive, finite weight
   and gradient, and never otherwise (after a skipped last micro-batch or an
   empty window): XLA updates params and optimizer state in place, with no
-  copies and far faster than a ``lax.cond`` on CPU. A small third program,
-  ``empty_program``, then empties the accumulator in place (emptying it in
-  the program that reads it would make XLA copy it). Traced inside the
-  caller's own
+  copies and far faster than a ``lax.cond`` on CPU. It leaves the window's
+  sum in the accumulator for the next window's first micro-batch to overwrite
+  (zeroing it there would make XLA copy it). Traced inside the caller's own
   ``jit`` or ``scan``, where the counters cannot be read, the step runs
   ``in_graph_program``: correct on any micro-step, with the optimizer inside a
   ``lax.cond`` so it still runs once per window.
@@ -129,10 +120,7 @@ class TrainStep:
       else functools.partial(self._update, branchless=True),
       donate_argnums=donate_argnums,
     )
-    self.in_graph_program = jax.jit(self._in_graph, donate_argnums=donate_argnums)
-    # The update program leaves the accumulator to this one, which empties it
-    # in place: emptying it in the program that also reads it makes XLA copy it.
-    self.empty_program = jax.jit(_emptied, donate_argnums=(0,) if donate else ())
+    self.in_graph_program = jax.jit(self._update, donate_argnums=donate_argnums)
     self.accumulate_program = jax.jit(self._accumulate, donate_argnums=donate_argnums)
 
   def __call__(
@@ -157,7 +145,7 @@ class TrainStep:
         raise ValueError(
           "`end_window` is for streaming: in scan mode every call ends a window."
         )
-      return self._emptying(self.update_program(params, opt_state, batch, rng))
+      return self.update_program(params, opt_state, batch, rng)
     if _is_traced(params, opt_state, batch, rng, end_window) or np.ndim(end_window):
       return self.in_graph_program(params, opt_state, batch, rng, end_window)
     # A concrete flag and concrete counters: the window cannot end on this call
@@ -165,15 +153,8 @@ class TrainStep:
     mini_step = _host_int(opt_state.mini_step)
     k = int(self.optimizer.k_at(_host_int(opt_state.gradient_step)))
     if bool(end_window) or mini_step + 1 >= k:
-      return self._emptying(
-        self.update_program(params, opt_state, batch, rng, end_window)
-      )
+      return self.update_program(params, opt_state, batch, rng, end_window)
     return self.accumulate_program(params, opt_state, batch, rng)
-
-  def _emptying(self, out: UnemptiedOutput) -> StepOutput:
-    params, state, metrics, ends = out
-    acc_grads = self.empty_program(state.acc_grads, ends)
-    return params, state._replace(acc_grads=acc_grads), metrics
 
   # -- the pieces ----------------------------------------------------------
 
@@ -252,7 +233,7 @@ class TrainStep:
     rng: Any,
     end_window: Any,
     branchless: bool = False,
-  ) -> UnemptiedOutput:
+  ) -> StepOutput:
     grads, value, weight, aux = self._grads(params, batch, rng, opt_state)
     added, counted = self.optimizer.add(
       grads, opt_state, params, weight=weight, loss=value
@@ -266,23 +247,13 @@ class TrainStep:
       optional_args=_value(added),
       apply_to=params,
       branchless=branchless,
+      empty_accumulator=not branchless,
     )
-    metrics = self._metrics(added, new_state, grad_norm, aux)
-    if branchless:  # Left to empty_program.
-      new_state = new_state._replace(acc_grads=added.acc_grads)
-    return params, new_state, metrics, ends
-
-  def _in_graph(
-    self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any, end_window: Any
-  ) -> StepOutput:
-    params, new_state, metrics, _ = self._update(
-      params, opt_state, batch, rng, end_window
-    )
-    return params, new_state, metrics
+    return params, new_state, self._metrics(added, new_state, grad_norm, aux)
 
   def _scan(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
-  ) -> UnemptiedOutput:
+  ) -> StepOutput:
     sizes = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
     if len(sizes) != 1 or None in sizes or 0 in sizes:
       raise ValueError(
@@ -301,11 +272,15 @@ class TrainStep:
     added, auxs = jax.lax.scan(body, carry, batch)
     added = added._replace(inner_opt_state=opt_state.inner_opt_state)
     params, new_state, grad_norm = self.optimizer.close(
-      added, True, params, optional_args=_value(added), apply_to=params, branchless=True
+      added,
+      True,
+      params,
+      optional_args=_value(added),
+      apply_to=params,
+      branchless=True,
+      empty_accumulator=False,
     )
-    metrics = self._metrics(added, new_state, grad_norm, auxs)
-    new_state = new_state._replace(acc_grads=added.acc_grads)  # Left to empty_program.
-    return params, new_state, metrics, jnp.asarray(True)
+    return params, new_state, self._metrics(added, new_state, grad_norm, auxs)
 
 
 def make_train_step(

@@ -373,6 +373,22 @@ def test_nan_window_does_not_leak_into_the_next():
   assert not bool(jnp.all(jnp.isfinite(u_theirs["w"])))  # What we fix.
 
 
+def test_an_accumulator_with_mini_step_zero_counts_as_empty():
+  """`make_train_step` leaves a finished window's sum behind (no zeroing pass)."""
+  opt = optax_accum.MultiSteps(optax.identity(), 2)
+  fresh = opt.init(PARAMS)
+  stale = fresh._replace(
+    acc_grads=jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), fresh.acc_grads)
+  )
+  outs = []
+  for state in (fresh, stale):
+    for i in range(2):
+      out, state = jax.jit(opt.update)(_grads(i), state, weight=i + 1)
+    outs.append(out)
+  chex.assert_trees_all_equal(outs[1], outs[0])
+  chex.assert_tree_all_finite(outs[1])
+
+
 # --- Dtypes ---------------------------------------------------------------------
 
 
