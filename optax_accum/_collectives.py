@@ -60,3 +60,24 @@ class ReplicaSum:
   def __call__(self, x: Any) -> jax.Array:
     axes = self.local_axes(x)
     return jax.lax.psum(x, axes) if axes else x
+
+
+def on_any_shard(
+  flag: jax.Array, axis_name: AxisName | None = None, *, window: Any = ()
+) -> jax.Array:
+  """Whether ``flag`` is true on any shard of the same window, on all of them.
+
+  Inside ``shard_map`` the flag is combined over the mesh axes it varies over
+  but the ``window`` values (its weights) do not: model-parallel shards of one
+  window agree, independent per-device windows stay independent. Under
+  ``pmap`` or ``check_vma=False``, where JAX does not track that, it is
+  combined over ``axis_name`` only. Outside both it is ``flag``.
+  """
+  count = jnp.asarray(flag).astype(jnp.int32)
+  own = frozenset().union(*[_varying(x) for x in jax.tree.leaves(window)])
+  shared = tuple(sorted(_varying(count) - own))
+  if shared:
+    count = jax.lax.psum(count, shared)
+  if axis_name is not None:
+    count = ReplicaSum(axis_name)(count)
+  return count > 0

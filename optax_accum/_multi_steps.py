@@ -12,7 +12,7 @@ import optax
 from jax.typing import ArrayLike, DTypeLike
 
 from optax_accum import _checks
-from optax_accum._collectives import AxisName, ReplicaSum, varying_over
+from optax_accum._collectives import AxisName, ReplicaSum, on_any_shard, varying_over
 
 GradReduction = Literal["mean", "sum"]
 NonFinitePolicy = Literal["skip_window", "skip_micro_batch"]
@@ -94,6 +94,11 @@ def _all_finite(*trees: Any) -> jax.Array:
   return finite
 
 
+def _wider(a: Any, b: Any) -> Any:
+  """The wider of two float dtypes (no promotion rules involved)."""
+  return a if jnp.dtype(a).itemsize >= jnp.dtype(b).itemsize else b
+
+
 def _count_if(flag: jax.Array, counter: jax.Array) -> jax.Array:
   return jnp.where(flag, optax.safe_increment(counter), counter)
 
@@ -107,10 +112,10 @@ def _once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
   """``fn(init)`` if ``pred`` else ``init``, as a loop that runs once or never.
 
   Examples:
-    >>> _once_if(jnp.array(True), lambda x: x + 1, jnp.array(1.0))
-    Array(2., dtype=float32, weak_type=True)
-    >>> _once_if(jnp.array(False), lambda x: x + 1, jnp.array(1.0))
-    Array(1., dtype=float32, weak_type=True)
+    >>> float(_once_if(jnp.array(True), lambda x: x + 1, jnp.array(1.0)))
+    2.0
+    >>> float(_once_if(jnp.array(False), lambda x: x + 1, jnp.array(1.0)))
+    1.0
   """
   return jax.lax.while_loop(
     lambda carry: carry[0],
@@ -160,10 +165,12 @@ class MultiSteps:
   =====================================  ================  ========
 
   A window whose summed gradient (or loss) is not finite ends without an
-  update whatever the policy: the inner state, ``gradient_step`` and any
-  schedule are untouched, and ``skipped_windows`` counts it. "Adds nothing"
-  and the reset at the end of a window are selections, not products with 0,
-  so a NaN never stays in the accumulator past its window.
+  update whatever the policy: params, the inner state, ``gradient_step`` and
+  any schedule are untouched, and ``skipped_windows`` counts it. "Adds
+  nothing" and the reset at the end of a window are selections, not products
+  with 0, so a NaN in one window never reaches the next. (After a window that
+  ``make_train_step`` ended, ``acc_grads`` keeps that window's sum, NaN
+  included, until the next window's first micro-batch overwrites it.)
 
   Args:
     opt: The optimizer to run once per window.
@@ -417,11 +424,11 @@ class MultiSteps:
     adds = counted & valid & (w > 0)
     if self._on_nonfinite == "skip_micro_batch":
       bad = adds & ~_all_finite(updates, () if loss is None else loss)
-      if summed is not None:  # Dropped on every replica, like a rejection.
-        bad = summed(bad.astype(jnp.int32)) > 0
+      # Dropped on every replica and model shard, like a rejection.
+      bad = on_any_shard(bad, self._axis_name, window=(w, state.acc_weight))
       adds, dropped = adds & ~bad, dropped | (counted & bad)
-    if summed is not None:  # One count for the micro-batch, on every replica.
-      dropped = summed(dropped.astype(jnp.int32)) > 0
+    # One count for the micro-batch, the same on every replica and shard.
+    dropped = on_any_shard(dropped, self._axis_name, window=(w, state.acc_weight))
     w = jnp.where(adds, w, jnp.zeros_like(w))
     total_w = w if summed is None else summed(w)  # Over all replicas.
 
@@ -529,7 +536,8 @@ class MultiSteps:
         (params, optimizer state) in place, where a ``cond`` or a select
         between new and old values copies them first; on CPU it is also much
         faster than a ``cond``. For callers that call ``close`` when the
-        window is about to end.
+        window is about to end. Not reverse-mode differentiable (a
+        ``while_loop``).
       empty_accumulator: Zero ``acc_grads`` when the window ends (default).
         ``False`` leaves the window's sum there, for the next :meth:`add` to
         overwrite (a window's first micro-batch ignores what the accumulator
@@ -552,8 +560,13 @@ class MultiSteps:
     ends = jnp.asarray(ends)
     acc_weight = added.acc_weight
     positive = ends & (acc_weight > 0)
-    # One reduction per window: a NaN or Inf anywhere in the window skips it.
-    nonfinite = positive & ~_all_finite(added.acc_grads, added.acc_loss)
+    # One reduction per window: a NaN or Inf anywhere in the window, on any
+    # model shard, skips it everywhere.
+    nonfinite = positive & on_any_shard(
+      ~_all_finite(added.acc_grads, added.acc_loss, acc_weight),
+      self._axis_name,
+      window=acc_weight,
+    )
     applies = positive & ~nonfinite
     inner_state = added.inner_opt_state
 
@@ -563,14 +576,16 @@ class MultiSteps:
       params: optax.Params | None = params,
     ) -> tuple[optax.Updates, optax.OptState, jax.Array]:
       scale = acc_weight if self._use_grad_mean else jnp.ones_like(acc_weight)
-      inverse = 1 / scale
-      grads = jax.tree.map(
+      inverse = 1 / scale  # In the weight's dtype: float32 at least.
+
+      def window_grad(acc: jax.Array, like: Any) -> jax.Array:
         # A product with the reciprocal (within 1 ulp of the quotient): XLA
         # fuses it into the optimizer's ops, where a quotient gets a buffer.
-        lambda acc, g: (acc * inverse.astype(acc.dtype)).astype(jnp.result_type(g)),
-        added.acc_grads,
-        grads_like,
-      )
+        dtype = _wider(acc.dtype, inverse.dtype)
+        product = acc.astype(dtype) * inverse.astype(dtype)
+        return product.astype(jnp.result_type(like))
+
+      grads = jax.tree.map(window_grad, added.acc_grads, grads_like)
       optional = {
         WINDOW_WEIGHT: acc_weight,
         WINDOW_MICRO_STEPS: added.mini_step,

@@ -389,6 +389,20 @@ def test_an_accumulator_with_mini_step_zero_counts_as_empty():
   chex.assert_tree_all_finite(outs[1])
 
 
+def test_window_weight_beyond_two_to_the_24_rounds_only_slightly():
+  """Millions of tokens per window: float32 totals round, relative <= 6e-8 each."""
+  weights = [10_000_001.0, 10_000_003.0, 10_000_005.0]  # Sum > 2**24.
+  grads = [{"w": jnp.full(3, g)} for g in (0.25, -1.5, 3.0)]
+  opt = optax_accum.MultiSteps(optax.identity(), 3)
+  state = opt.init({"w": jnp.zeros(3)})
+  for g, w in zip(grads, weights, strict=True):
+    out, state = opt.update(g, state, weight=w)
+  exact = sum(w * float(g["w"][0]) for g, w in zip(grads, weights, strict=True))
+  exact /= sum(weights)
+  assert sum(weights) > 2**24
+  np.testing.assert_allclose(out["w"], exact, rtol=5e-7)
+
+
 # --- Dtypes ---------------------------------------------------------------------
 
 
@@ -571,7 +585,7 @@ def test_vmap_over_update_gives_each_stream_its_window():
     state = opt.init(PARAMS)
     for i in range(2):
       want, state = opt.update(_grads(10 * s + i), state, weight=(s + 1.0) * (i + 1))
-    chex.assert_trees_all_close(jax.tree.map(lambda x: x[s], out), want, rtol=1e-6)
+    chex.assert_trees_all_close(jax.tree.map(lambda x, s=s: x[s], out), want, rtol=1e-6)
   assert np.asarray(states.gradient_step).tolist() == [1] * streams
 
 

@@ -11,6 +11,7 @@ import toy_lm
 import optax_accum
 
 K = 4
+AUTO = jax.sharding.AxisType.Auto
 POLICIES = ["skip_window", "skip_micro_batch"]
 
 
@@ -191,3 +192,64 @@ def test_policy_is_checked():
     optax_accum.MultiSteps(optax.sgd(1.0), 2, on_nonfinite="raise")
   opt = optax_accum.MultiSteps(optax.sgd(1.0), 2, on_nonfinite="skip_micro_batch")
   assert opt.on_nonfinite == "skip_micro_batch"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_model_shards_agree_on_what_to_skip(policy):
+  """Params sharded over a `model` axis inside shard_map: one shard's NaN is
+  every shard's, or half the model would update and its counters drift."""
+  if jax.device_count() < 4:
+    pytest.skip("needs 4 devices")
+  P = jax.sharding.PartitionSpec
+  mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AUTO, AUTO))
+  opt = optax_accum.MultiSteps(
+    optax.adam(0.1), 2, axis_name="data", on_nonfinite=policy
+  )
+
+  def window(params, grads):
+    state = opt.init(params)
+    for i in range(2):
+      updates, state = opt.update({"w": grads[0, i]}, state, params, weight=1.0)
+    counters = (state.gradient_step, state.skipped_windows, state.skipped_micro_batches)
+    return optax.apply_updates(params, updates), jnp.stack(counters)[None, None]
+
+  grads = np.ones((2, 2, 4), np.float32)  # [data, micro-batch, model * features]
+  grads[0, 1, 0] = np.nan  # Replica 0, micro-batch 1, model shard 0 only.
+  run = jax.jit(
+    jax.shard_map(
+      window,
+      mesh=mesh,
+      in_specs=(P("model"), P("data", None, "model")),
+      out_specs=(P("model"), P("data", "model")),
+    )
+  )
+  params, counters = run({"w": jnp.zeros(4)}, grads)
+  counters = np.asarray(counters).reshape(4, 3)
+  assert (counters == counters[0]).all(), counters
+  moved = np.asarray(params["w"]) != 0
+  assert moved.all() or not moved.any(), params
+  assert counters[0].tolist() == ([0, 1, 0] if policy == "skip_window" else [1, 0, 1])
+
+
+def test_independent_per_device_windows_skip_independently():
+  """No axis_name: each device's window is its own, and so is its NaN."""
+  if jax.device_count() < 4:
+    pytest.skip("needs 4 devices")
+  spec = jax.sharding.PartitionSpec("d")
+  mesh = jax.make_mesh((4,), ("d",), axis_types=(AUTO,))
+  opt = optax_accum.MultiSteps(optax.sgd(1.0), 2)
+
+  def window(grads, weights):
+    state = opt.init({"w": jnp.zeros(3)})
+    for i in range(2):
+      updates, state = opt.update({"w": grads[0, i]}, state, weight=weights[0, i])
+    return updates["w"][None], state.skipped_windows[None]
+
+  grads = np.ones((4, 2, 3), np.float32)
+  grads[1, 0, 2] = np.nan  # Device 1's window only.
+  weights = np.ones((4, 2), np.float32)
+  run = jax.jit(jax.shard_map(window, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
+  updates, skipped = run(grads, weights)
+  assert np.asarray(skipped).tolist() == [0, 1, 0, 0]
+  np.testing.assert_array_equal(updates[1], 0.0)
+  np.testing.assert_array_equal(np.delete(np.asarray(updates), 1, axis=0), -1.0)

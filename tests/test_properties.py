@@ -7,7 +7,6 @@ where a micro-batch of weight 0 adds nothing.
 
 import hypothesis
 import hypothesis.strategies as st
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
