@@ -560,13 +560,19 @@ class MultiSteps:
     ends = jnp.asarray(ends)
     acc_weight = added.acc_weight
     positive = ends & (acc_weight > 0)
-    # One reduction per window: a NaN or Inf anywhere in the window, on any
-    # model shard, skips it everywhere.
-    nonfinite = positive & on_any_shard(
-      ~_all_finite(added.acc_grads, added.acc_loss, acc_weight),
-      self._axis_name,
-      window=acc_weight,
-    )
+
+    def nonfinite_window() -> jax.Array:
+      # A NaN or Inf anywhere in the window, on any model shard, skips it.
+      flag = ~_all_finite(added.acc_grads, added.acc_loss, acc_weight)
+      return on_any_shard(flag, self._axis_name, window=acc_weight)
+
+    if branchless:
+      nonfinite = positive & nonfinite_window()
+    else:  # Only the call that ends a window reads its whole accumulator.
+      aval = jax.make_jaxpr(nonfinite_window)().out_avals[0]
+      nonfinite = jax.lax.cond(
+        positive, nonfinite_window, lambda: _varying_like(jnp.array(False), aval)
+      )
     applies = positive & ~nonfinite
     inner_state = added.inner_opt_state
 
