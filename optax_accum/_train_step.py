@@ -96,8 +96,8 @@ class TrainStep:
   sum in the accumulator for the next window's first micro-batch to overwrite
   (zeroing it there would make XLA copy it). Traced inside the caller's own
   ``jit`` or ``scan``, where the counters cannot be read, the step runs
-  ``in_graph_program``: correct on any micro-step, with the optimizer inside a
-  ``lax.cond`` so it still runs once per window.
+  ``in_graph_program``: correct on any micro-step, with the optimizer in the
+  same once-or-never loop, so it still runs once per window.
   """
 
   def __init__(
@@ -120,7 +120,9 @@ class TrainStep:
       else functools.partial(self._update, branchless=True),
       donate_argnums=donate_argnums,
     )
-    self.in_graph_program = jax.jit(self._update, donate_argnums=donate_argnums)
+    self.in_graph_program = jax.jit(
+      functools.partial(self._update, branchless=True), donate_argnums=donate_argnums
+    )
     self.accumulate_program = jax.jit(self._accumulate, donate_argnums=donate_argnums)
 
   def __call__(

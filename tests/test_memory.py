@@ -129,18 +129,22 @@ def test_inner_optimizer_runs_once_per_window_in_the_train_step(mode):
   assert int(state.gradient_step) == windows
 
 
-@pytest.mark.parametrize("mode", ["stream", "scan"])
-def test_update_programs_copy_no_params_sized_buffer(mode):
+@pytest.mark.parametrize("program", ["stream", "in_graph", "scan"])
+def test_update_programs_copy_no_params_sized_buffer(program):
   """Params, optimizer state and accumulator are updated in place: no `copy`."""
   params = _params()
   opt = optax_accum.MultiSteps(optax.adamw(1e-3), 4)
-  step = optax_accum.make_train_step(_loss, opt, mode=mode)
+  step = optax_accum.make_train_step(
+    _loss, opt, mode="scan" if program == "scan" else "stream"
+  )
   state = opt.init(params)
-  if mode == "scan":
-    args = (params, state, optax_accum.split_micro_batches(_batch(ROWS * 4), 4), None)
+  if program == "scan":
+    stacked = optax_accum.split_micro_batches(_batch(ROWS * 4), 4)
+    hlo = step.update_program.lower(params, state, stacked, None)
   else:
-    args = (params, state, _batch(ROWS), None, False)
-  hlo = step.update_program.lower(*args).compile().as_text()
+    jitted = step.in_graph_program if program == "in_graph" else step.update_program
+    hlo = jitted.lower(params, state, _batch(ROWS), None, False)
+  hlo = hlo.compile().as_text()
   copies = re.findall(rf"= f32\[{WIDTH},{WIDTH}\]\S* copy\(", hlo)
   assert not copies, f"{len(copies)} params-sized copies"
   assert "input_output_alias" in hlo  # The donated buffers are reused.
