@@ -14,7 +14,8 @@ model and data:
 5. ``scan``: ``make_train_step(mode="scan")``, per window of ``k``;
 6. ``whole``: the ``k`` micro-batches at once, one step.
 
-Wall times are medians over repeated runs after warm-up (with min and max).
+Wall times are medians over repeated runs after warm-up (with min and max),
+interleaved: each round runs every variant once, so machine noise hits all alike.
 FLOPs and bytes come from XLA's ``cost_analysis()``, memory from
 ``memory_analysis()``; both are deterministic. Results go to
 ``benchmarks/results/<machine>.{json,md,png}``.
@@ -86,16 +87,36 @@ def _copy(tree: Any) -> Any:
   return jax.tree.map(jnp.copy, tree)
 
 
-def _timed(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> dict[str, float]:
-  """Median, min and max wall time of ``fn()`` in ms (``fn`` blocks)."""
-  for _ in range(warmup):
-    fn()
-  times = []
-  for _ in range(repeats):
+class _Rounds:
+  """Interleaved timing: every round runs every variant once, in turn.
+
+  A disturbance of the machine (another process, a noisy neighbour) then
+  lands on all variants alike instead of on one variant's whole block of
+  repeats, so the ratios between them stay honest.
+  """
+
+  def __init__(self) -> None:
+    self.times: dict[str, list[float]] = {}
+    self.recording = False
+
+  def timed(self, name: str, fn: Callable[[], Any]) -> Any:
+    """Runs ``fn()`` (which must block) and records its wall time in ms."""
     start = time.perf_counter()
-    fn()
-    times.append((time.perf_counter() - start) * 1e3)
-  return {"ms": statistics.median(times), "min": min(times), "max": max(times)}
+    out = fn()
+    elapsed = (time.perf_counter() - start) * 1e3
+    if self.recording:
+      self.times.setdefault(name, []).append(elapsed)
+    return out
+
+  def run(self, variants: list[Callable[[], None]], repeats: int, warmup: int = 2):
+    for round_ in range(warmup + repeats):
+      self.recording = round_ >= warmup
+      for variant in variants:
+        variant()
+
+  def stats(self, name: str, scale: float = 1.0) -> dict[str, float]:
+    times = [t / scale for t in self.times[name]]
+    return {"ms": statistics.median(times), "min": min(times), "max": max(times)}
 
 
 def _analysis(jitted: Any, *args: Any) -> dict[str, float]:
@@ -124,6 +145,18 @@ def bench_model(name: str, k: int, repeats: int) -> dict[str, Any]:
   window = jax.device_put(model["batch"](rows * k))
   adamw = optax.adamw(1e-4)
   results: dict[str, Any] = {}
+  rounds = _Rounds()
+  variants = []
+
+  def carried(name: str, jitted: Any, carry: list, *args: Any) -> Callable[[], None]:
+    """A variant that calls ``jitted(*carry, *args)`` and carries its outputs."""
+
+    def run() -> None:
+      carry[:] = rounds.timed(
+        name, lambda: jax.block_until_ready(jitted(*carry, *args))
+      )
+
+    return run
 
   # (1) plain step on one micro-batch.
   def plain(params, state, batch):
@@ -134,12 +167,7 @@ def bench_model(name: str, k: int, repeats: int) -> dict[str, Any]:
   plain_jit = jax.jit(plain, donate_argnums=(0, 1))
   carry = [_copy(params0), adamw.init(params0)]
   results["plain"] = _analysis(plain_jit, *carry, micro)
-
-  def run_plain():
-    carry[:] = plain_jit(*carry, micro)
-    jax.block_until_ready(carry)
-
-  results["plain"].update(_timed(run_plain, repeats))
+  variants.append(carried("plain", plain_jit, carry, micro))
 
   # One optimizer update and apply alone (for the scan target).
   def opt_only(params, state, grads):
@@ -149,12 +177,7 @@ def bench_model(name: str, k: int, repeats: int) -> dict[str, Any]:
   opt_jit = jax.jit(opt_only, donate_argnums=(0, 1))
   grads0 = jax.tree.map(jnp.ones_like, params0)
   carry = [_copy(params0), adamw.init(params0)]
-
-  def run_opt():
-    carry[:] = opt_jit(*carry, grads0)
-    jax.block_until_ready(carry)
-
-  results["optimizer_only"] = _timed(run_opt, repeats)
+  variants.append(carried("optimizer_only", opt_jit, carry, grads0))
 
   # (2) the limit: gradient plus one add, accumulator donated.
   def limit(params, acc, batch):
@@ -166,12 +189,13 @@ def bench_model(name: str, k: int, repeats: int) -> dict[str, Any]:
   results["limit"] = _analysis(limit_jit, params0, acc[0], micro)
 
   def run_limit():
-    acc[0] = limit_jit(params0, acc[0], micro)
-    jax.block_until_ready(acc[0])
+    acc[0] = rounds.timed(
+      "limit", lambda: jax.block_until_ready(limit_jit(params0, acc[0], micro))
+    )
 
-  results["limit"].update(_timed(run_limit, repeats))
+  variants.append(run_limit)
 
-  # (3) optax.MultiSteps, with and without donation: keep the better.
+  # (3) optax.MultiSteps, with and without donation, k calls a round.
   ms = optax.MultiSteps(adamw, k)
 
   def optax_step(params, state, batch):
@@ -180,21 +204,14 @@ def bench_model(name: str, k: int, repeats: int) -> dict[str, Any]:
     return optax.apply_updates(params, updates), state
 
   for donate in (True, False):
+    label = f"optax_{'donated' if donate else 'plain'}"
     jitted = jax.jit(optax_step, donate_argnums=(0, 1) if donate else ())
     carry = [_copy(params0), ms.init(params0)]
-    entry = _analysis(jitted, *carry, micro)
+    results[label] = _analysis(jitted, *carry, micro)
+    one_call = carried(label, jitted, carry, micro)
+    variants.append(lambda one_call=one_call: [one_call() for _ in range(k)])
 
-    def run_optax(jitted=jitted, carry=carry):
-      carry[:] = jitted(*carry, micro)
-      jax.block_until_ready(carry)
-
-    entry.update(_timed(run_optax, repeats * k))
-    results[f"optax_{'donated' if donate else 'plain'}"] = entry
-  results["optax"] = min(
-    (results["optax_donated"], results["optax_plain"]), key=lambda r: r["ms"]
-  )
-
-  # (4) optax_accum streaming: per call, split by window end.
+  # (4) optax_accum streaming: one window a round, each call timed.
   accum = optax_accum.MultiSteps(adamw, k)
   step = optax_accum.make_train_step(loss_fn, accum)
   state = [_copy(params0), accum.init(params0)]
@@ -203,29 +220,21 @@ def bench_model(name: str, k: int, repeats: int) -> dict[str, Any]:
   results["stream_in_graph"] = _analysis(
     step.in_graph_program, *state, micro, None, False
   )
-  mid, ends = [], []
-  for i in range((repeats + 2) * k):
+
+  def run_stream_window():
     start = time.perf_counter()
-    params, opt_state, metrics = step(*state, micro)
-    jax.block_until_ready((params, opt_state))
-    elapsed = (time.perf_counter() - start) * 1e3
-    state = [params, opt_state]
-    if i >= 2 * k:  # Two windows of warm-up.
-      (ends if bool(metrics["updated"]) else mid).append(elapsed)
-  if k > 1:
-    results["stream_mid"] = {
-      "ms": statistics.median(mid),
-      "min": min(mid),
-      "max": max(mid),
-    }
-  per_window = [
-    sum(mid[w * (k - 1) : (w + 1) * (k - 1)]) + e for w, e in enumerate(ends)
-  ]
-  results["stream_avg"] = {
-    "ms": statistics.median(per_window) / k,
-    "min": min(per_window) / k,
-    "max": max(per_window) / k,
-  }
+    for i in range(k):
+      kind = "stream_end" if i == k - 1 else "stream_mid"
+      state[:] = rounds.timed(kind, lambda: jax.block_until_ready(step(*state, micro)))[
+        :2
+      ]
+      assert bool(state[1].updated) == (i == k - 1)  # Rounds stay window-aligned.
+    if rounds.recording:
+      rounds.times.setdefault("stream_window", []).append(
+        (time.perf_counter() - start) * 1e3
+      )
+
+  variants.append(run_stream_window)
 
   # (5) scan mode, per window.
   scan = optax_accum.make_train_step(loss_fn, accum, mode="scan")
@@ -233,22 +242,27 @@ def bench_model(name: str, k: int, repeats: int) -> dict[str, Any]:
   carry = [_copy(params0), accum.init(params0)]
   results["scan"] = _analysis(scan.update_program, *carry, stacked, None)
 
-  def run_scan():
-    params, opt_state, _ = scan(*carry, stacked)
-    carry[:] = [params, opt_state]
-    jax.block_until_ready(carry)
+  def run_scan(carry: list = carry) -> None:  # Bound now: `carry` is reused below.
+    out = rounds.timed("scan", lambda: jax.block_until_ready(scan(*carry, stacked)))
+    carry[:] = out[:2]
 
-  results["scan"].update(_timed(run_scan, repeats))
+  variants.append(run_scan)
 
   # (6) the whole window's micro-batches at once.
   carry = [_copy(params0), adamw.init(params0)]
   results["whole"] = _analysis(plain_jit, *carry, window)
+  variants.append(carried("whole", plain_jit, carry, window))
 
-  def run_whole():
-    carry[:] = plain_jit(*carry, window)
-    jax.block_until_ready(carry)
-
-  results["whole"].update(_timed(run_whole, repeats))
+  rounds.run(variants, repeats)
+  for label in ("plain", "limit", "optax_donated", "optax_plain", "scan", "whole"):
+    results[label].update(rounds.stats(label))
+  results["optimizer_only"] = rounds.stats("optimizer_only")
+  results["optax"] = min(
+    (results["optax_donated"], results["optax_plain"]), key=lambda r: r["ms"]
+  )
+  if k > 1:
+    results["stream_mid"] = rounds.stats("stream_mid")
+  results["stream_avg"] = rounds.stats("stream_window", scale=k)
   return results
 
 
