@@ -165,7 +165,9 @@ class MultiSteps:
   =====================================  ================  ========
 
   A window whose summed gradient (or loss) is not finite ends without an
-  update whatever the policy: params, the inner state, ``gradient_step`` and
+  update whatever the policy (the check is one pass for the gradient's norm,
+  so a norm that overflows, from elements above ~1e19 in float32, counts as
+  not finite): params, the inner state, ``gradient_step`` and
   any schedule are untouched, and ``skipped_windows`` counts it. "Adds
   nothing" and the reset at the end of a window are selections, not products
   with 0, so a NaN in one window never reaches the next. (After a window that
@@ -561,13 +563,21 @@ class MultiSteps:
     acc_weight = added.acc_weight
     positive = ends & (acc_weight > 0)
 
-    def nonfinite_window() -> jax.Array:
-      # A NaN or Inf anywhere in the window, on any model shard, skips it.
-      flag = ~_all_finite(added.acc_grads, added.acc_loss, acc_weight)
+    def window_norm() -> jax.Array:
+      return optax.tree.norm(added.acc_grads)
+
+    def nonfinite_window(norm: jax.Array | None = None) -> jax.Array:
+      # A NaN or Inf anywhere in the window, on any model shard, skips it. One
+      # pass over the accumulator: its norm is not finite exactly then, or
+      # when its square overflows (elements above ~1e19 in float32).
+      norm = window_norm() if norm is None else norm
+      flag = ~_all_finite(norm, added.acc_loss, acc_weight)
       return on_any_shard(flag, self._axis_name, window=acc_weight)
 
-    if branchless:
-      nonfinite = positive & nonfinite_window()
+    norm: jax.Array | None = None
+    if branchless:  # The norm serves the check and the metric.
+      norm = window_norm()
+      nonfinite = positive & nonfinite_window(norm)
     else:  # Only the call that ends a window reads its whole accumulator.
       aval = jax.make_jaxpr(nonfinite_window)().out_avals[0]
       nonfinite = jax.lax.cond(
@@ -613,10 +623,10 @@ class MultiSteps:
         inner,
         inner_state,
       )
-      norm = optax.tree.norm(added.acc_grads) / scale.astype(jnp.float32)
+      grad_norm = (window_norm() if norm is None else norm) / scale.astype(jnp.float32)
       if apply_to is not None:
         new_updates = optax.apply_updates(apply_to, new_updates)
-      return new_updates, inner, norm.astype(jnp.float32)
+      return new_updates, inner, grad_norm.astype(jnp.float32)
 
     def hold() -> tuple[optax.Updates, optax.OptState, jax.Array]:
       # Outputs typed like the update branch's, including, inside shard_map,
