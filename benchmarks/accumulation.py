@@ -217,9 +217,6 @@ def bench_model(name: str, k: int, repeats: int) -> dict[str, Any]:
   state = [_copy(params0), accum.init(params0)]
   results["stream_accumulate"] = _analysis(step.accumulate_program, *state, micro, None)
   results["stream_update"] = _analysis(step.update_program, *state, micro, None, False)
-  results["stream_in_graph"] = _analysis(
-    step.in_graph_program, *state, micro, None, False
-  )
 
   def run_stream_window():
     start = time.perf_counter()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -115,14 +114,11 @@ class TrainStep:
     self.donate = donate
     donate_argnums = (0, 1) if donate else ()
     self.update_program = jax.jit(
-      self._scan
-      if mode == "scan"
-      else functools.partial(self._update, branchless=True),
-      donate_argnums=donate_argnums,
+      self._scan if mode == "scan" else self._update, donate_argnums=donate_argnums
     )
-    self.in_graph_program = jax.jit(
-      functools.partial(self._update, branchless=True), donate_argnums=donate_argnums
-    )
+    # Correct on any micro-step, so it is also what runs when the counters
+    # cannot be read; the same jitted function, so nothing compiles twice.
+    self.in_graph_program = self.update_program
     self.accumulate_program = jax.jit(self._accumulate, donate_argnums=donate_argnums)
 
   def __call__(
@@ -234,7 +230,6 @@ class TrainStep:
     batch: Any,
     rng: Any,
     end_window: Any,
-    branchless: bool = False,
   ) -> StepOutput:
     grads, value, weight, aux = self._grads(params, batch, rng, opt_state)
     added, counted = self.optimizer.add(
@@ -248,8 +243,8 @@ class TrainStep:
       grads_like=grads,
       optional_args=_value(added),
       apply_to=params,
-      branchless=branchless,
-      empty_accumulator=not branchless,
+      branchless=True,
+      empty_accumulator=False,
     )
     return params, new_state, self._metrics(added, new_state, grad_norm, aux)
 
