@@ -254,6 +254,7 @@ class MultiSteps:
       )
     self._opt = optax.with_extra_args_support(opt)
     self._every_k_schedule = _validated_every_k(every_k_schedule)
+    self._constant_k = None if callable(every_k_schedule) else int(every_k_schedule)
     self._use_grad_mean = bool(use_grad_mean)
     self._should_skip_update_fn = should_skip_update_fn
     self._accumulator_dtype = (
@@ -283,6 +284,17 @@ class MultiSteps:
   def on_nonfinite(self) -> NonFinitePolicy:
     """What a non-finite gradient drops: its micro-batch or its whole window."""
     return self._on_nonfinite
+
+  @property
+  def constant_k(self) -> int | None:
+    """The window length when ``every_k_schedule`` is an int, else ``None``."""
+    return self._constant_k
+
+  @property
+  def counts_every_micro_batch(self) -> bool:
+    """Whether every micro-batch counts towards ``k`` (no
+    ``should_skip_update_fn`` that could reject one)."""
+    return self._should_skip_update_fn is None
 
   @property
   def grad_reduction(self) -> GradReduction:

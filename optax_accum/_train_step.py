@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +75,38 @@ def _unaliased(donated: Any, kept: Any) -> Any:
   return jax.tree.map(fresh, donated)
 
 
+def _counters(state: MultiStepsState) -> MultiStepsState:
+  """``state`` without its params-sized parts: the counters and window totals.
+
+  The programs take the params-sized parts (params, inner optimizer state,
+  accumulator) as separate, donated arguments and these as plain ones: never
+  donated, so the metrics a step returns can share them and stay readable
+  after later steps.
+  """
+  return state._replace(inner_opt_state=None, acc_grads=None)
+
+
+def _joined(counters: MultiStepsState, inner: Any, acc: Any) -> MultiStepsState:
+  return counters._replace(inner_opt_state=inner, acc_grads=acc)
+
+
+_UNKNOWN: Any = object()  # A learning rate not looked up yet.
+
+
+class _Known(NamedTuple):
+  """What the host knows about the optimizer state a step returned last.
+
+  Valid only for a state whose ``mini_step`` is that very array object: a
+  state the user built, restored or kept from earlier is read from the device.
+  """
+
+  mini_step: jax.Array  # The returned state's counter, compared by identity.
+  value: int | None  # Its value; None where counting depends on the data.
+  k: int | None  # The window's length; None where it must be read.
+  params: Any  # Params the update program returned: fresh, unaliased buffers.
+  learning_rate: Any  # The metric (unchanged until the next update), or _UNKNOWN.
+
+
 class TrainStep:
   """The callable that :func:`make_train_step` returns.
 
@@ -83,20 +115,26 @@ class TrainStep:
   micro-batch; in scan mode one call takes a whole window, with the
   micro-batches along the batch's leading axis.
 
-  Streaming compiles two programs: one that only accumulates, and one that
-  accumulates and, if the window ends, updates. Each call picks one by reading
-  the optimizer state's own counters (``mini_step``, ``gradient_step``), so
-  the choice can never drift from the state; reading them waits for the
-  previous call to finish. The update program runs the inner optimizer in a
-  loop that runs once if the window really ends with positive, finite weight
-  and gradient, and never otherwise (after a skipped last micro-batch or an
-  empty window): XLA updates params and optimizer state in place, with no
-  copies and far faster than a ``lax.cond`` on CPU. It leaves the window's
-  sum in the accumulator for the next window's first micro-batch to overwrite
-  (zeroing it there would make XLA copy it). Traced inside the caller's own
-  ``jit`` or ``scan``, where the counters cannot be read, the step runs
-  ``in_graph_program``: correct on any micro-step, with the optimizer in the
-  same once-or-never loop, so it still runs once per window.
+  Streaming runs two programs. ``accumulate_program`` only adds a micro-batch:
+  it reads params and returns only what it changes (the accumulator and the
+  counters), so a micro-step that cannot end a window costs a gradient and an
+  add. ``update_program`` adds and, if the window ends, updates; it runs the
+  inner optimizer in a loop that runs once if the window really ends with
+  positive, finite weight and gradient, and never otherwise: XLA updates
+  params and optimizer state in place. It leaves the window's sum in the
+  accumulator for the next window's first micro-batch to overwrite.
+
+  Which program runs is decided from the optimizer state's own counters, never
+  from a counter of the step's: the step remembers the counter values of the
+  state it returned last (it knows them without reading the device whenever
+  every micro-batch counts), and reads the device only for a state it did not
+  return (the first call, a restored checkpoint, a state kept from earlier),
+  on every call with ``should_skip_update_fn`` (counting depends on the data),
+  and once per window with a callable ``every_k_schedule``. A loop can thus
+  queue step after step without waiting for any of them. Traced inside the
+  caller's own ``jit`` or ``scan``, where the counters cannot be read, the
+  step runs ``update_program`` (correct on any micro-step; the optimizer still
+  runs once per window).
   """
 
   def __init__(
@@ -112,14 +150,16 @@ class TrainStep:
     self.mode = mode
     self.has_aux = has_aux
     self.donate = donate
-    donate_argnums = (0, 1) if donate else ()
+    # Donated: params, inner optimizer state and accumulator (not the counters).
     self.update_program = jax.jit(
-      self._scan if mode == "scan" else self._update, donate_argnums=donate_argnums
+      self._scan if mode == "scan" else self._update,
+      donate_argnums=(0, 1, 2) if donate else (),
     )
-    # Correct on any micro-step, so it is also what runs when the counters
-    # cannot be read; the same jitted function, so nothing compiles twice.
-    self.in_graph_program = self.update_program
-    self.accumulate_program = jax.jit(self._accumulate, donate_argnums=donate_argnums)
+    # Donated: the accumulator only. Params are read, not returned.
+    self.accumulate_program = jax.jit(
+      self._accumulate, donate_argnums=(1,) if donate else ()
+    )
+    self._known: _Known | None = None
 
   def __call__(
     self,
@@ -136,23 +176,123 @@ class TrainStep:
         "MultiSteps given to make_train_step, got "
         f"{type(opt_state).__module__}.{type(opt_state).__qualname__}."
       )
-    if self.donate and not _is_traced(params, opt_state):
-      params, opt_state = _unaliased((params, opt_state), (batch, rng))
     if self.mode == "scan":
       if end_window is not False:
         raise ValueError(
           "`end_window` is for streaming: in scan mode every call ends a window."
         )
-      return self.update_program(params, opt_state, batch, rng)
-    if _is_traced(params, opt_state, batch, rng, end_window) or np.ndim(end_window):
-      return self.in_graph_program(params, opt_state, batch, rng, end_window)
-    # A concrete flag and concrete counters: the window cannot end on this call
-    # unless the flag says so or the counters reach k.
-    mini_step = _host_int(opt_state.mini_step)
-    k = int(self.optimizer.k_at(_host_int(opt_state.gradient_step)))
-    if bool(end_window) or mini_step + 1 >= k:
-      return self.update_program(params, opt_state, batch, rng, end_window)
-    return self.accumulate_program(params, opt_state, batch, rng)
+      return self._run_update(params, opt_state, batch, rng)
+    counters = (opt_state.mini_step, opt_state.gradient_step, end_window)
+    if any(isinstance(x, jax.core.Tracer) for x in counters) or np.ndim(end_window):
+      return self._run_update(params, opt_state, batch, rng, end_window)
+
+    known = self._known
+    hit = known is not None and opt_state.mini_step is known.mini_step
+    if known is None or not hit:
+      known = _Known(opt_state.mini_step, None, None, None, _UNKNOWN)
+    mini_step = _host_int(opt_state.mini_step) if known.value is None else known.value
+    k = known.k
+    if k is None:
+      k = int(self.optimizer.k_at(_host_int(opt_state.gradient_step)))
+    ends = bool(end_window) or mini_step + 1 >= k
+    learning_rate = known.learning_rate
+    if ends:
+      fresh = params is known.params  # Returned by the update program.
+      params, opt_state, metrics = self._run_update(
+        params, opt_state, batch, rng, end_window, check_aliasing=not fresh
+      )
+      learning_rate = metrics.get("learning_rate")
+    else:
+      if learning_rate is _UNKNOWN:
+        learning_rate = _copied_learning_rate(opt_state)
+      params, opt_state, metrics = self._run_accumulate(
+        params, opt_state, batch, rng, learning_rate, check_aliasing=not hit
+      )
+    if isinstance(opt_state.mini_step, jax.core.Tracer):
+      return params, opt_state, metrics  # Called with traced params or batch.
+    counts = self.optimizer.counts_every_micro_batch
+    self._known = _Known(
+      mini_step=opt_state.mini_step,
+      value=(0 if ends else mini_step + 1) if counts else None,
+      k=None if ends and self.optimizer.constant_k is None else k,
+      params=params if ends else known.params,
+      learning_rate=learning_rate,
+    )
+    return params, opt_state, metrics
+
+  def lower(
+    self,
+    params: optax.Params,
+    opt_state: MultiStepsState,
+    batch: Any,
+    rng: jax.Array | None = None,
+    *,
+    program: Literal["accumulate", "update"] = "update",
+  ) -> jax.stages.Lowered:
+    """Lowers one of the step's programs for these arguments, without running it.
+
+    For XLA's analyses (``.compile().memory_analysis()``, ``cost_analysis()``,
+    ``as_text()``). ``"update"`` is the program that can end a window (in
+    scan mode, the whole window's program); ``"accumulate"`` the streaming
+    program for micro-steps that cannot.
+    """
+    split = (opt_state.inner_opt_state, opt_state.acc_grads, _counters(opt_state))
+    if program == "accumulate" and self.mode == "stream":
+      return self.accumulate_program.lower(params, *split[1:], batch, rng)
+    if program != "update":
+      raise ValueError(
+        f"`program` must be 'update' or, in streaming mode, 'accumulate'; got "
+        f"{program!r}."
+      )
+    if self.mode == "scan":
+      return self.update_program.lower(params, *split, batch, rng)
+    return self.update_program.lower(params, *split, batch, rng, False)
+
+  # -- calling the programs ------------------------------------------------
+
+  def _run_update(
+    self,
+    params: Any,
+    opt_state: MultiStepsState,
+    batch: Any,
+    rng: Any,
+    *end_window: Any,
+    check_aliasing: bool = True,
+  ) -> StepOutput:
+    if self.donate and check_aliasing and not _is_traced(params, opt_state):
+      params, opt_state = _unaliased((params, opt_state), (batch, rng))
+    params, inner, acc, counters, metrics = self.update_program(
+      params,
+      opt_state.inner_opt_state,
+      opt_state.acc_grads,
+      _counters(opt_state),
+      batch,
+      rng,
+      *end_window,
+    )
+    return params, _joined(counters, inner, acc), metrics
+
+  def _run_accumulate(
+    self,
+    params: Any,
+    opt_state: MultiStepsState,
+    batch: Any,
+    rng: Any,
+    learning_rate: jax.Array | None,
+    check_aliasing: bool = True,
+  ) -> StepOutput:
+    acc = opt_state.acc_grads
+    if self.donate and check_aliasing and not _is_traced(params, acc):
+      acc = _unaliased(acc, (params, opt_state.inner_opt_state, batch, rng))
+    acc, counters, loss, grad_norm, aux = self.accumulate_program(
+      params, acc, _counters(opt_state), batch, rng
+    )
+    state = _joined(counters, opt_state.inner_opt_state, acc)
+    # The counters are never donated: the metrics can share them.
+    metrics = _metrics(state, state, loss, grad_norm, aux, learning_rate)
+    if not self.has_aux:
+      del metrics["aux"]
+    return params, state, metrics
 
   # -- the pieces ----------------------------------------------------------
 
@@ -193,44 +333,37 @@ class TrainStep:
     want = "(loss, (weight, aux))" if self.has_aux else "(loss, weight)"
     return f"`loss_fn` must return {want} with has_aux={self.has_aux}, {got}."
 
-  def _metrics(
+  def _in_graph_metrics(
     self, added: MultiStepsState, new_state: MultiStepsState, grad_norm: Any, aux: Any
   ) -> Metrics:
-    metrics: Metrics = {
-      "loss": _window_loss(added),
-      "weight": added.acc_weight,
-      "micro_steps": added.mini_step,
-      "updated": new_state.updated,
-      "update_count": new_state.gradient_step,
-      "grad_norm": jnp.asarray(grad_norm, jnp.float32),
-      "skipped_micro_batches": new_state.skipped_micro_batches,
-      "skipped_windows": new_state.skipped_windows,
-    }
-    try:
-      hyperparams = get_hyperparams(new_state)
-    except ValueError:
-      hyperparams = {}
-    if "learning_rate" in hyperparams:
-      metrics["learning_rate"] = hyperparams["learning_rate"]
-    if self.has_aux:
-      metrics["aux"] = aux
+    grad_norm = jnp.asarray(grad_norm, jnp.float32)
+    metrics = _metrics(
+      added, new_state, _window_loss(added), grad_norm, aux, _learning_rate(new_state)
+    )
+    if not self.has_aux:
+      del metrics["aux"]
     return metrics
 
   def _accumulate(
-    self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
-  ) -> StepOutput:
-    grads, value, weight, aux = self._grads(params, batch, rng, opt_state)
-    added, _ = self.optimizer.add(grads, opt_state, params, weight=weight, loss=value)
-    return params, added, self._metrics(added, added, 0.0, aux)
+    self, params: Any, acc: Any, counters: MultiStepsState, batch: Any, rng: Any
+  ) -> tuple[Any, MultiStepsState, jax.Array, jax.Array, Any]:
+    state = _joined(counters, None, acc)
+    grads, value, weight, aux = self._grads(params, batch, rng, state)
+    added, _ = self.optimizer.add(grads, state, params, weight=weight, loss=value)
+    loss, grad_norm = _window_loss(added), jnp.zeros([], jnp.float32)
+    return added.acc_grads, _counters(added), loss, grad_norm, aux
 
   def _update(
     self,
     params: Any,
-    opt_state: MultiStepsState,
+    inner: Any,
+    acc: Any,
+    counters: MultiStepsState,
     batch: Any,
     rng: Any,
     end_window: Any,
-  ) -> StepOutput:
+  ) -> tuple[Any, ...]:
+    opt_state = _joined(counters, inner, acc)
     grads, value, weight, aux = self._grads(params, batch, rng, opt_state)
     added, counted = self.optimizer.add(
       grads, opt_state, params, weight=weight, loss=value
@@ -246,11 +379,24 @@ class TrainStep:
       branchless=True,
       empty_accumulator=False,
     )
-    return params, new_state, self._metrics(added, new_state, grad_norm, aux)
+    metrics = self._in_graph_metrics(added, new_state, grad_norm, aux)
+    return (
+      params,
+      new_state.inner_opt_state,
+      new_state.acc_grads,
+      _counters(new_state),
+      metrics,
+    )
 
   def _scan(
-    self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
-  ) -> StepOutput:
+    self,
+    params: Any,
+    inner: Any,
+    acc: Any,
+    counters: MultiStepsState,
+    batch: Any,
+    rng: Any,
+  ) -> tuple[Any, ...]:
     sizes = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
     if len(sizes) != 1 or None in sizes or 0 in sizes:
       raise ValueError(
@@ -265,9 +411,8 @@ class TrainStep:
 
     # The inner optimizer's state stays out of the loop carry: only the
     # accumulator changes inside the scan.
-    carry = opt_state._replace(inner_opt_state=None)
-    added, auxs = jax.lax.scan(body, carry, batch)
-    added = added._replace(inner_opt_state=opt_state.inner_opt_state)
+    added, auxs = jax.lax.scan(body, _joined(counters, None, acc), batch)
+    added = added._replace(inner_opt_state=inner)
     params, new_state, grad_norm = self.optimizer.close(
       added,
       True,
@@ -277,7 +422,52 @@ class TrainStep:
       branchless=True,
       empty_accumulator=False,
     )
-    return params, new_state, self._metrics(added, new_state, grad_norm, auxs)
+    metrics = self._in_graph_metrics(added, new_state, grad_norm, auxs)
+    return (
+      params,
+      new_state.inner_opt_state,
+      new_state.acc_grads,
+      _counters(new_state),
+      metrics,
+    )
+
+
+def _learning_rate(state: MultiStepsState) -> jax.Array | None:
+  try:
+    return get_hyperparams(state).get("learning_rate")
+  except ValueError:  # No injected hyperparameters.
+    return None
+
+
+def _copied_learning_rate(state: MultiStepsState) -> jax.Array | None:
+  """The state's learning rate in a buffer of its own (the state's is donated)."""
+  learning_rate = _learning_rate(state)
+  return None if learning_rate is None else jnp.copy(learning_rate)
+
+
+def _metrics(
+  added: MultiStepsState,
+  new_state: MultiStepsState,
+  loss: Any,
+  grad_norm: Any,
+  aux: Any,
+  learning_rate: Any,
+) -> Metrics:
+  """The step's metrics from the window so far (``added``) and the new state."""
+  metrics: Metrics = {
+    "loss": loss,
+    "weight": added.acc_weight,
+    "micro_steps": added.mini_step,
+    "updated": new_state.updated,
+    "update_count": new_state.gradient_step,
+    "grad_norm": grad_norm,
+    "skipped_micro_batches": new_state.skipped_micro_batches,
+    "skipped_windows": new_state.skipped_windows,
+  }
+  if learning_rate is not None:
+    metrics["learning_rate"] = learning_rate
+  metrics["aux"] = aux
+  return metrics
 
 
 def make_train_step(

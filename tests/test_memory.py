@@ -37,8 +37,8 @@ def _batch(rows):
   }
 
 
-def _temp_bytes(jitted, *args):
-  return jitted.lower(*args).compile().memory_analysis().temp_size_in_bytes
+def _temp_bytes(lowered):
+  return lowered.compile().memory_analysis().temp_size_in_bytes
 
 
 def _whole_step(params, state, batch):
@@ -54,12 +54,10 @@ def test_scan_temp_bytes_do_not_grow_with_k_but_the_whole_batch_does():
     opt = optax_accum.MultiSteps(optax.adamw(1e-3), k)
     step = optax_accum.make_train_step(_loss, opt, mode="scan")
     stacked = optax_accum.split_micro_batches(_batch(ROWS * k), k)
-    scan_temp[k] = _temp_bytes(
-      step.update_program, params, opt.init(params), stacked, None
-    )
+    scan_temp[k] = _temp_bytes(step.lower(params, opt.init(params), stacked))
     whole = jax.jit(_whole_step, donate_argnums=(0, 1))
     whole_temp[k] = _temp_bytes(
-      whole, params, optax.adamw(1e-3).init(params), _batch(ROWS * k)
+      whole.lower(params, optax.adamw(1e-3).init(params), _batch(ROWS * k))
     )
   assert scan_temp[16] <= 1.05 * scan_temp[4], scan_temp
   assert whole_temp[16] > 1.5 * whole_temp[4], whole_temp
@@ -72,8 +70,8 @@ def test_streaming_temp_bytes_no_larger_than_optax_multisteps():
   ours = optax_accum.MultiSteps(optax.adamw(1e-3), 4)
   step = optax_accum.make_train_step(_loss, ours)
   state = ours.init(params)
-  accumulate_temp = _temp_bytes(step.accumulate_program, params, state, micro, None)
-  update_temp = _temp_bytes(step.update_program, params, state, micro, None, False)
+  accumulate_temp = _temp_bytes(step.lower(params, state, micro, program="accumulate"))
+  update_temp = _temp_bytes(step.lower(params, state, micro))
   theirs = optax.MultiSteps(optax.adamw(1e-3), 4)
 
   def optax_step(params, state, batch):
@@ -82,7 +80,7 @@ def test_streaming_temp_bytes_no_larger_than_optax_multisteps():
     return optax.apply_updates(params, updates), state
 
   theirs_temp = _temp_bytes(
-    jax.jit(optax_step, donate_argnums=(0, 1)), params, theirs.init(params), micro
+    jax.jit(optax_step, donate_argnums=(0, 1)).lower(params, theirs.init(params), micro)
   )
   assert accumulate_temp <= 0.5 * theirs_temp, (accumulate_temp, theirs_temp)
   assert update_temp <= theirs_temp, (update_temp, theirs_temp)
@@ -129,7 +127,7 @@ def test_inner_optimizer_runs_once_per_window_in_the_train_step(mode):
   assert int(state.gradient_step) == windows
 
 
-@pytest.mark.parametrize("program", ["stream", "in_graph", "scan"])
+@pytest.mark.parametrize("program", ["stream", "scan"])
 def test_update_programs_copy_no_params_sized_buffer(program):
   """Params, optimizer state and accumulator are updated in place: no `copy`."""
   params = _params()
@@ -140,10 +138,9 @@ def test_update_programs_copy_no_params_sized_buffer(program):
   state = opt.init(params)
   if program == "scan":
     stacked = optax_accum.split_micro_batches(_batch(ROWS * 4), 4)
-    hlo = step.update_program.lower(params, state, stacked, None)
+    hlo = step.lower(params, state, stacked)
   else:
-    jitted = step.in_graph_program if program == "in_graph" else step.update_program
-    hlo = jitted.lower(params, state, _batch(ROWS), None, False)
+    hlo = step.lower(params, state, _batch(ROWS))
   hlo = hlo.compile().as_text()
   copies = re.findall(rf"= f32\[{WIDTH},{WIDTH}\]\S* copy\(", hlo)
   assert not copies, f"{len(copies)} params-sized copies"
