@@ -96,15 +96,21 @@ _UNKNOWN: Any = object()  # A learning rate not looked up yet.
 class _Known(NamedTuple):
   """What the host knows about the optimizer state a step returned last.
 
-  Valid only for a state whose ``mini_step`` is that very array object: a
-  state the user built, restored or kept from earlier is read from the device.
+  Valid only for a state whose counters are those very array objects: a state
+  the user built, restored or kept from earlier is read from the device.
   """
 
-  mini_step: jax.Array  # The returned state's counter, compared by identity.
+  mini_step: jax.Array  # The returned state's counters, compared by identity.
+  gradient_step: jax.Array
   value: int | None  # Its value; None where counting depends on the data.
   k: int | None  # The window's length; None where it must be read.
   params: Any  # Params the update program returned: fresh, unaliased buffers.
   learning_rate: Any  # The metric (unchanged until the next update), or _UNKNOWN.
+
+  def describes(self, state: MultiStepsState) -> bool:
+    return (
+      state.mini_step is self.mini_step and state.gradient_step is self.gradient_step
+    )
 
 
 class TrainStep:
@@ -187,9 +193,11 @@ class TrainStep:
       return self._run_update(params, opt_state, batch, rng, end_window)
 
     known = self._known
-    hit = known is not None and opt_state.mini_step is known.mini_step
+    hit = known is not None and known.describes(opt_state)
     if known is None or not hit:
-      known = _Known(opt_state.mini_step, None, None, None, _UNKNOWN)
+      known = _Known(
+        opt_state.mini_step, opt_state.gradient_step, None, None, None, _UNKNOWN
+      )
     mini_step = _host_int(opt_state.mini_step) if known.value is None else known.value
     k = known.k
     if k is None:
@@ -213,6 +221,7 @@ class TrainStep:
     counts = self.optimizer.counts_every_micro_batch
     self._known = _Known(
       mini_step=opt_state.mini_step,
+      gradient_step=opt_state.gradient_step,
       value=(0 if ends else mini_step + 1) if counts else None,
       k=None if ends and self.optimizer.constant_k is None else k,
       params=params if ends else known.params,
