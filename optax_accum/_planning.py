@@ -225,8 +225,9 @@ def plan_micro_batches(
   """Finds the largest micro-batch whose train step fits in memory, before running.
 
   Compiles :func:`make_train_step`'s programs ahead of time for candidate
-  micro-batch sizes (shapes only: nothing is allocated or run) and binary
-  searches for the largest size whose per-device peak fits ``memory_budget``.
+  micro-batch sizes (shapes only: nothing is allocated or run): the whole
+  batch, then a binary search below it for the largest size whose per-device
+  peak fits ``memory_budget``.
 
   Per-device peak of one compiled program, from ``compiled.memory_analysis()``::
 
@@ -454,8 +455,8 @@ def plan_micro_batches(
       raise ValueError(
         f"No micro-batch fits `memory_budget` {_size(budget)} ({budget} bytes) "
         f"per device: {smallest.micro_batch} rows need "
-        f"{_size(smallest.peak_bytes)} ({smallest.peak_bytes} bytes; params and "
-        f"optimizer state {resident}).\n"
+        f"{_size(smallest.peak_bytes)} ({smallest.peak_bytes} bytes, of which "
+        f"params and optimizer state {resident}).\n"
         + "\n".join(
           f"  {p.program} at {p.rows} rows: {p.peak_bytes} bytes"
           for p in smallest.programs
