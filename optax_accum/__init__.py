@@ -9,6 +9,7 @@ from optax_accum._multi_steps import (
   MultiSteps,
   MultiStepsState,
 )
+from optax_accum._planning import MicroBatchPlan, plan_micro_batches
 from optax_accum._schedules import ProgressSchedule, ProgressState, progress_schedule
 from optax_accum._train_step import TrainStep, make_train_step
 
@@ -18,6 +19,7 @@ __all__ = (
   "WINDOW_MICRO_STEPS",
   "WINDOW_WEIGHT",
   "AuditReport",
+  "MicroBatchPlan",
   "MultiSteps",
   "MultiStepsState",
   "ProgressSchedule",
@@ -30,6 +32,7 @@ __all__ = (
   "get_hyperparams",
   "get_update_count",
   "make_train_step",
+  "plan_micro_batches",
   "progress_schedule",
   "split_micro_batches",
 )
