@@ -515,6 +515,8 @@ def _verdicts(
   v["F7"], v["F4"], aligned = _window_verdicts(r)
   if reference.nonfinite_at is not None:
     v["F7"] = v["F4"] = Verdict("n/a", "the whole-batch run diverges")
+  elif run.nonfinite_at is not None:  # NaN params compare equal to NaN params.
+    v["F7"] = v["F4"] = Verdict("n/a", "your params became non-finite")
   v["F1"], v["F6"], gradient_problem = _gradient_verdicts(r, fit, probe_changed)
   v["F3"] = _schedule_verdict(reference, run, steps)
   explained = any(x.status == "FOUND" for x in v.values())
