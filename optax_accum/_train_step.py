@@ -546,8 +546,11 @@ def make_train_step(
   """
   if not isinstance(optimizer, MultiSteps):
     raise ValueError(
-      "`optimizer` must be an optax_accum.MultiSteps (wrap yours: optax_accum."
-      f"MultiSteps(opt, every_k_schedule=k)), got {type(optimizer).__name__}."
+      "`optimizer` must be an optax_accum.MultiSteps, got "
+      f"{type(optimizer).__module__.partition('.')[0]}."
+      f"{type(optimizer).__qualname__}: wrap your optimizer `opt` as optax_accum."
+      "MultiSteps(opt, every_k_schedule=k) (it takes optax.MultiSteps' "
+      "arguments, so it replaces one as it is)."
     )
   if axis_name is not None:
     if optimizer.axis_name not in (None, axis_name):
