@@ -54,6 +54,12 @@ class MultiStepsState(NamedTuple):
       weight but a non-finite gradient or loss, and so without an update.
     skip_state: Whatever ``should_skip_update_fn`` returned last; ``()``
       without one.
+    micro_batches_seen: int32 ``[]``, saturating. Every micro-batch :meth:`add`
+      has seen in the run, whatever became of it (rejected, dropped, of weight
+      0, in a skipped window). ``make_train_step`` gives the run's ``n``-th
+      micro-batch the key ``jax.random.fold_in(rng, n)`` with this count, so
+      no two micro-batches of a run share a key (for the first ``2**31 - 1``).
+      A state built by hand without it starts at 0.
   """
 
   mini_step: jax.Array
@@ -66,6 +72,7 @@ class MultiStepsState(NamedTuple):
   skipped_micro_batches: jax.Array
   skipped_windows: jax.Array
   skip_state: Any = ()
+  micro_batches_seen: ArrayLike = np.int32(0)
 
 
 def _validated_every_k(
@@ -327,6 +334,7 @@ class MultiSteps:
       skipped_micro_batches=jnp.zeros([], jnp.int32),
       skipped_windows=jnp.zeros([], jnp.int32),
       skip_state=skip_state,
+      micro_batches_seen=jnp.zeros([], jnp.int32),
     )
 
   def update(
@@ -485,6 +493,9 @@ class MultiSteps:
       updated=jnp.zeros_like(state.updated),
       skipped_micro_batches=_count_if(dropped, state.skipped_micro_batches),
       skip_state=skip_state,
+      micro_batches_seen=optax.safe_increment(
+        jnp.asarray(state.micro_batches_seen, jnp.int32)
+      ),
     )
     return added, counted
 

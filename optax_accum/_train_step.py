@@ -162,10 +162,9 @@ class TrainStep:
     """Gradient, loss, weight and aux of one micro-batch."""
     args: tuple[Any, ...] = (batch,)
     if rng is not None:
-      # One key per micro-batch, the same in streaming and scan mode.
-      key = jax.random.fold_in(
-        jax.random.fold_in(rng, state.gradient_step), state.mini_step
-      )
+      # The run's n-th micro-batch gets fold_in(rng, n), whatever became of the
+      # micro-batches before it, the same in streaming and scan mode.
+      key = jax.random.fold_in(rng, state.micro_batches_seen)
       args = (batch, key)
 
     if self.optimizer.axis_name is not None:

@@ -470,7 +470,9 @@ def test_state_fields():
     "skipped_micro_batches",
     "skipped_windows",
     "skip_state",
+    "micro_batches_seen",
   )
+  assert state.micro_batches_seen.dtype == jnp.int32
   assert state.mini_step.dtype == state.gradient_step.dtype == jnp.int32
   assert state.acc_weight.dtype == jnp.float32 and state.updated.dtype == jnp.bool_
 
