@@ -11,6 +11,7 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike
 
+from optax_accum import _checks
 from optax_accum._collectives import AxisName, ReplicaSum, varying_over
 from optax_accum._inspect import get_hyperparams
 from optax_accum._multi_steps import MultiSteps, MultiStepsState
@@ -139,7 +140,8 @@ class TrainStep:
     if self.donate and not _is_traced(params, opt_state):
       params, opt_state = _unaliased((params, opt_state), (batch, rng))
     if self.mode == "scan":
-      if end_window is not False:
+      flag = _checks.scalar(end_window, name="end_window", dtype=jnp.bool_)
+      if _is_traced(flag) or bool(flag):
         raise ValueError(
           "`end_window` is for streaming: in scan mode every call ends a window."
         )

@@ -428,6 +428,66 @@ def test_call_errors():
     step(params, opt.init(params), toy_lm.make_batch(seed=0), end_window=True)
 
 
+FLAGS = {
+  "python": lambda flag: flag,
+  "numpy": np.bool_,
+  "jnp_bool": jnp.bool_,
+  "jax_array": jnp.asarray,
+}
+
+
+@pytest.mark.parametrize("kind", list(FLAGS))
+def test_scan_mode_accepts_any_false_end_window(kind):
+  """Issue 16, item 5: NumPy and JAX false flags are false too."""
+  false = FLAGS[kind](False)
+  opt = optax_accum.MultiSteps(optax.sgd(0.1), 2)
+  step = optax_accum.make_train_step(toy_lm.mean_loss, opt, mode="scan")
+  params = toy_lm.init_params(seed=0)
+  batch = optax_accum.split_micro_batches(toy_lm.make_batch(seed=0), 2)
+  _, state, metrics = step(params, opt.init(params), batch, end_window=false)
+  assert bool(metrics["updated"]) and int(state.gradient_step) == 1
+
+
+@pytest.mark.parametrize(
+  ("flag", "match"),
+  [
+    (lambda: np.True_, r"`end_window` is for streaming"),
+    (lambda: jnp.asarray(True), r"`end_window` is for streaming"),
+    (lambda: 0, r"`end_window` must be a boolean, got dtype int"),
+    (lambda: np.zeros(2, bool), r"`end_window` must be a scalar"),
+  ],
+  ids=["np_true", "jax_true", "int_zero", "array"],
+)
+def test_scan_mode_rejects_true_or_non_bool_end_window(flag, match):
+  """Scan mode ends every window; a non-bool flag is the same error as in
+  `MultiSteps.update` (README: `end_window` must be a bool scalar)."""
+  flag = flag()
+  opt = optax_accum.MultiSteps(optax.sgd(0.1), 2)
+  step = optax_accum.make_train_step(toy_lm.mean_loss, opt, mode="scan")
+  params = toy_lm.init_params(seed=0)
+  batch = optax_accum.split_micro_batches(toy_lm.make_batch(seed=0), 2)
+  with pytest.raises(ValueError, match=match):
+    step(params, opt.init(params), batch, end_window=flag)
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="_train_step.py (owned by issue 14): on a micro-step that cannot end "
+  "the window the host picks the accumulate-only program, which never sees "
+  "`end_window`, so a non-bool flag such as 0 passes there and raises only on "
+  "the micro-step that ends the window. Checking it with "
+  "_checks.scalar(end_window, name='end_window', dtype=bool) in "
+  "TrainStep.__call__ before choosing a program fixes it.",
+)
+def test_stream_mode_rejects_a_non_bool_end_window_on_every_micro_step():
+  opt = optax_accum.MultiSteps(optax.sgd(0.1), 2)
+  step = optax_accum.make_train_step(toy_lm.mean_loss, opt, donate=False)
+  params = toy_lm.init_params(seed=0)
+  batch = toy_lm.split(toy_lm.make_batch(seed=0), 2)[0]
+  with pytest.raises(ValueError, match=r"`end_window` must be a boolean"):
+    step(params, opt.init(params), batch, end_window=0)
+
+
 # --- Batch helpers ----------------------------------------------------------------
 
 
