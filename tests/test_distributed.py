@@ -257,3 +257,21 @@ def test_split_micro_batches_keeps_rows_on_their_devices():
   assert split["mask"].sharding.spec == P(None, "data")
   hlo = jax.jit(functools.partial(optax_accum.split_micro_batches, k=2)).lower(batch)
   assert "all-gather" not in hlo.compile().as_text()
+
+
+@pytest.mark.parametrize(("rows", "k"), [(16, 2), (16, 8)])
+def test_split_micro_batches_stays_sharded_only_when_rows_divide(rows, k):
+  """Issue 16, item 4: each micro-batch keeps its rows on their devices when
+  it has a multiple of the device count (16 // 2 = 8 rows on 8 devices); with
+  16 // 8 = 2 rows for 8 devices it cannot, and JAX gathers (as documented).
+  The values are those of the rows i, i + k, ... either way."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AUTO,))
+  x = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3)
+  split = optax_accum.split_micro_batches(
+    {"x": jax.device_put(x, NamedSharding(mesh, P("data")))}, k
+  )["x"]
+  np.testing.assert_array_equal(
+    split, optax_accum.split_micro_batches({"x": x}, k)["x"]
+  )
+  in_place = (rows // k) % 8 == 0
+  assert (split.sharding.spec == P(None, "data")) == in_place, split.sharding
