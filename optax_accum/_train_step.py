@@ -140,8 +140,8 @@ class TrainStep:
     if self.donate and not _is_traced(params, opt_state):
       params, opt_state = _unaliased((params, opt_state), (batch, rng))
     if self.mode == "scan":
-      flag = _checks.scalar(end_window, name="end_window", dtype=jnp.bool_)
-      if _is_traced(flag) or bool(flag):
+      _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
+      if _is_traced(end_window) or bool(end_window):
         raise ValueError(
           "`end_window` is for streaming: in scan mode every call ends a window."
         )

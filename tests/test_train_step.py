@@ -476,7 +476,7 @@ def test_scan_mode_rejects_true_or_non_bool_end_window(flag, match):
   "the window the host picks the accumulate-only program, which never sees "
   "`end_window`, so a non-bool flag such as 0 passes there and raises only on "
   "the micro-step that ends the window. Checking it with "
-  "_checks.scalar(end_window, name='end_window', dtype=bool) in "
+  "_checks.check_scalar(end_window, name='end_window', dtype=jnp.bool_) in "
   "TrainStep.__call__ before choosing a program fixes it.",
 )
 def test_stream_mode_rejects_a_non_bool_end_window_on_every_micro_step():
