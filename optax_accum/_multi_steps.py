@@ -419,6 +419,11 @@ class MultiSteps:
     w = _checks.scalar(weight, name="weight", dtype=weight_dtype)
 
     summed = None if self._axis_name is None else ReplicaSum(self._axis_name)
+    if summed is not None and summed.tracked:
+      # `weight` is each replica's own, whatever its type says: a constant (or
+      # the default 1) is the same on every replica but still sums over them,
+      # as it does under pmap or check_vma=False.
+      w = varying_over(w, summed.axes)
     skip_state = state.skip_state
     counted = jnp.array(True)
     if self._should_skip_update_fn is not None:
