@@ -106,6 +106,8 @@ class Config:
   unit: str
   per_update: float | None
   pass_weight: bool  # False: no `weight=` (MultiSteps.update paths only)
+  constant_weight: float | None  # every micro-batch's weight, if they are equal
+  literal_weight: bool  # train steps: loss_fn returns the constant as a Python float
   pass_loss: bool  # MultiSteps.update paths; train steps always pass the loss
   rng: str | None  # None, "typed" (jax.random.key) or "raw" (jax.random.PRNGKey)
   replicas: int
@@ -426,6 +428,12 @@ def draw_config(rng: np.random.Generator, *, replicas: int, train_step: bool) ->
   if x64 and rng.random() < 0.3:
     accumulator = "float64"
   unit = str(rng.choice(["updates", "weight"]))
+  pass_weight = train_step or reduction == "sum" or bool(rng.random() < 0.8)
+  constant = None
+  if not pass_weight:
+    constant = 1.0
+  elif rng.random() < 0.2:
+    constant = float(rng.choice([1.0, 5.0, 48.0]))
   return Config(
     leaves=leaves,
     every_k=every_k,
@@ -436,7 +444,9 @@ def draw_config(rng: np.random.Generator, *, replicas: int, train_step: bool) ->
     accumulator_dtype=accumulator,
     unit=unit,
     per_update=float(rng.choice([10.0, 64.0])) if unit == "weight" else None,
-    pass_weight=train_step or reduction == "sum" or bool(rng.random() < 0.8),
+    pass_weight=pass_weight,
+    constant_weight=constant,
+    literal_weight=train_step and constant is not None and bool(rng.random() < 0.5),
     pass_loss=train_step or bool(rng.random() < 0.6),
     rng=[None, "typed", "raw"][rng.integers(3)] if train_step else None,
     replicas=replicas,
@@ -488,11 +498,7 @@ def draw_stream(
   rng: np.random.Generator, config: Config, length: int, *, end_window: bool = True
 ) -> list[MicroBatch]:
   """``length`` micro-batches with weights, gradients, losses and flags."""
-  constant = None
-  if not config.pass_weight:
-    constant = 1.0
-  elif rng.random() < 0.15:
-    constant = float(rng.choice([1.0, 5.0, 48.0]))
+  constant = config.constant_weight
   stream = []
   for _ in range(length):
     replicas = []

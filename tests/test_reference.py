@@ -3,11 +3,12 @@
 Each example draws a configuration (leaf dtypes and shapes, ``every_k_schedule``
 int or callable, ``use_grad_mean``, ``grad_reduction``, ``on_nonfinite``,
 ``should_skip_update_fn``, ``accumulator_dtype``, ``progress_schedule`` unit,
-weights passed or not, rng keys) and a stream of micro-batches (weights that
-are 0, constant, fractional, negative, NaN, inf or huge; gradients and losses
-with NaN or inf; early ``end_window``; rejections), runs it through one call
-path, and compares every call's update or params, state counters, window sums
-and metrics with :mod:`reference_model`.
+weights passed or not or returned as a Python constant, rng keys typed or raw)
+and a stream of micro-batches (weights that are 0, constant, fractional,
+negative, NaN, inf or huge; gradients and losses with NaN or inf; early
+``end_window``; rejections), runs it through one call path (``PATHS``), and
+compares every call's update or params, state counters, window sums, metrics
+and keys with :mod:`reference_model`.
 
 CI runs ``DEFAULT_EXAMPLES`` examples in all, spread evenly over the paths;
 ``OPTAX_ACCUM_REFERENCE_EXAMPLES`` sets another total for a long run::
@@ -51,6 +52,7 @@ PATHS = {
   "scan_joined": (1, True),
   "shard_map_vma": (None, True),
   "shard_map_no_vma": (None, True),
+  "shard_map_scan": (None, True),
   "pmap": (None, True),
   "jit_sharded": (1, True),
 }
@@ -110,25 +112,30 @@ def _optimizer(config: ref.Config) -> optax_accum.MultiSteps:
   )
 
 
-def _loss_fn(params, batch, key=None):
+def _loss_fn_for(config: ref.Config):
   """Loss ``sum(batch["l"])`` whose gradient is exactly ``sum(batch["g"])``.
 
   Rows are micro-batch parts (one per replica or device); the weight is the
-  rows' sum; with a key, its data is the aux output.
+  rows' sum, or a Python constant (``config.literal_weight``); with a key, its
+  data is the aux output.
   """
-  zero = jnp.zeros([], jnp.float32)  # NaN where a gradient is not: inf * 0.
-  for name, p in params.items():
-    p = p.astype(jnp.promote_types(p.dtype, jnp.float32))
-    g = batch["g"][name].astype(p.dtype)
-    zero = zero + jnp.sum((p - jax.lax.stop_gradient(p))[None] * g)
-  loss = jnp.sum(batch["l"])
-  loss = loss + zero.astype(loss.dtype)
-  weight = jnp.sum(batch["w"])
-  if key is None:
-    return loss, weight
-  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-    key = jax.random.key_data(key)
-  return loss, (weight, key)
+
+  def loss_fn(params, batch, key=None):
+    zero = jnp.zeros([], jnp.float32)  # NaN where a gradient is not: inf * 0.
+    for name, p in params.items():
+      p = p.astype(jnp.promote_types(p.dtype, jnp.float32))
+      g = batch["g"][name].astype(p.dtype)
+      zero = zero + jnp.sum((p - jax.lax.stop_gradient(p))[None] * g)
+    loss = jnp.sum(batch["l"])
+    loss = loss + zero.astype(loss.dtype)
+    weight = config.constant_weight if config.literal_weight else jnp.sum(batch["w"])
+    if key is None:
+      return loss, weight
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+      key = jax.random.key_data(key)
+    return loss, (weight, key)
+
+  return loss_fn
 
 
 def _params(config: ref.Config, rng: np.random.Generator) -> dict:
@@ -154,7 +161,7 @@ def _key_data(key, n: int) -> np.ndarray:
 
 
 def _batch(config: ref.Config, mb: ref.MicroBatch) -> dict:
-  """A micro-batch as ``_loss_fn`` reads it: one row per replica."""
+  """A micro-batch as the loss reads it: one row per replica."""
   return {
     "g": {
       name: np.stack([r.grads[name] for r in mb.replicas]).astype(ref.DTYPES[dtype])
@@ -314,7 +321,7 @@ def _run_update_shard_map(config, plan, rng, key):
 
 def _train_step(config, opt, mode="stream", **kwargs):
   return optax_accum.make_train_step(
-    _loss_fn, opt, mode=mode, has_aux=config.rng is not None, **kwargs
+    _loss_fn_for(config), opt, mode=mode, has_aux=config.rng is not None, **kwargs
   )
 
 
@@ -380,11 +387,13 @@ def _run_scan(config, plan, rng, key):
 
 
 def _run_replicated(config, plan, rng, key, *, how):
-  """The streaming train step inside shard_map or pmap, with ``axis_name``."""
+  """The train step inside shard_map or pmap, with ``axis_name``; streaming, or
+  in scan mode (``how="shard_map_scan"``, the micro-batch axis leading)."""
   opt = _optimizer(config)
   params = _params(config, rng)
   params0 = jax.tree.map(_seen, params)
-  step = _train_step(config, opt, axis_name="data")
+  scan = how == "shard_map_scan"
+  step = _train_step(config, opt, mode="scan" if scan else "stream", axis_name="data")
   if how == "pmap":
     run = jax.pmap(
       lambda p, s, b, k, e: step(p, s, b, k, end_window=e),
@@ -395,25 +404,27 @@ def _run_replicated(config, plan, rng, key, *, how):
   else:
 
     def call(p, s, b, k, e):
-      out = step(p, s, b, k, end_window=e)
+      out = step(p, s, b, k) if scan else step(p, s, b, k, end_window=e)
       return jax.tree.map(lambda x: jnp.asarray(x)[None], out)
 
     run = jax.jit(
       jax.shard_map(
         call,
         mesh=_mesh(config.replicas),
-        in_specs=(P(), P(), P("data"), P(), P()),
+        in_specs=(P(), P(), P(None, "data") if scan else P("data"), P(), P()),
         out_specs=P("data"),
-        check_vma=how == "shard_map_vma",
+        check_vma=how != "shard_map_no_vma" and (not scan or bool(rng.random() < 0.5)),
       )
     )
   state = opt.init(params)
   observed = []
-  for (mb,), _ in plan:
-    batch = _batch(config, mb)
+  for mbs, _ in plan:
+    batch = (
+      _stack([_batch(config, mb) for mb in mbs]) if scan else _batch(config, mbs[0])
+    )
     if how == "pmap":  # One row per device.
       batch = jax.tree.map(lambda x: x[:, None], batch)
-    out = run(params, state, batch, key, jnp.asarray(mb.end_window))
+    out = run(params, state, batch, key, jnp.asarray(mbs[-1].end_window))
     _replicas_agree(out)
     params, state, metrics = _index(out, 0)
     observed.append(_observe(state, params=params, metrics=metrics))
@@ -463,6 +474,7 @@ RUNNERS = {
   "scan_joined": _run_scan,
   "shard_map_vma": functools.partial(_run_replicated, how="shard_map_vma"),
   "shard_map_no_vma": functools.partial(_run_replicated, how="shard_map_no_vma"),
+  "shard_map_scan": functools.partial(_run_replicated, how="shard_map_scan"),
   "pmap": functools.partial(_run_replicated, how="pmap"),
   "jit_sharded": _run_jit_sharded,
 }
@@ -483,7 +495,7 @@ def _library_view(stream, train_step):
 
 
 def _plan(path, stream, rng):
-  if path == "scan":
+  if path in ("scan", "shard_map_scan"):
     chunks = ref.draw_chunks(rng, len(stream))
     plan, start = [], 0
     for size in chunks:
