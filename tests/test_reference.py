@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 import optax_accum
 
 #: Examples in CI, spread over the paths (about 1 s of CPU each).
-DEFAULT_EXAMPLES = 60
+DEFAULT_EXAMPLES = 65
 EXAMPLES = int(os.environ.get("OPTAX_ACCUM_REFERENCE_EXAMPLES", DEFAULT_EXAMPLES))
 AUTO = jax.sharding.AxisType.Auto
 # Path name -> (replicas, uses make_train_step).
