@@ -15,8 +15,14 @@ def split_micro_batches(batch: Any, k: int) -> Any:
 
   Micro-batch ``i`` holds rows ``i, i + k, i + 2k, ...``. Taking every k-th
   row, rather than consecutive blocks, keeps each device's rows on that device:
-  a batch sharded over a ``data`` axis stays sharded along the second axis,
-  with no all-gather. Any split gives the same window gradient.
+  a batch sharded over a ``data`` axis of ``n`` devices stays sharded along the
+  second axis, with no all-gather, when every micro-batch has a multiple of
+  ``n`` rows (``B // k`` divisible by ``n``). Otherwise a micro-batch cannot
+  have rows on every device and JAX chooses the layout: ``B=16, k=8`` on 4
+  devices comes back replicated (an all-gather), ``B=16, k=16`` sharded along
+  the micro-batch axis. The values are right either way, and any split gives
+  the same window gradient; pick ``k`` so that ``B // k`` is a multiple of the
+  device count to keep the rows in place.
 
   The result is what :func:`optax_accum.make_train_step` expects in scan
   mode; ``jax.tree.map(lambda x: x[i], result)`` is micro-batch ``i`` for

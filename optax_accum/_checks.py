@@ -66,6 +66,20 @@ def scalar(value: ArrayLike, *, name: str, dtype: Any) -> jax.Array:
   Booleans convert to ``dtype`` only when ``dtype`` is boolean, numbers only
   when it is numeric, so a mask passed where a count belongs is caught.
   """
+  check_scalar(value, name=name, dtype=dtype)
+  return jnp.asarray(value).astype(dtype)
+
+
+def check_scalar(value: ArrayLike, *, name: str, dtype: Any) -> None:
+  """Raises the ``ValueError`` of :func:`scalar`, or nothing; stages no op.
+
+  Examples:
+    >>> check_scalar(np.False_, name='end_window', dtype=jnp.bool_)
+    >>> check_scalar(0, name='end_window', dtype=jnp.bool_)
+    Traceback (most recent call last):
+      ...
+    ValueError: `end_window` must be a boolean, got dtype int...
+  """
   src = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
   want_bool = jnp.issubdtype(dtype, jnp.bool_)
   ok = (
@@ -80,4 +94,3 @@ def scalar(value: ArrayLike, *, name: str, dtype: Any) -> jax.Array:
     raise ValueError(f"`{name}` must be {kind}, got dtype {src}.")
   if np.shape(value) != ():
     raise ValueError(f"`{name}` must be a scalar, got shape {np.shape(value)}.")
-  return jnp.asarray(value).astype(dtype)

@@ -54,6 +54,12 @@ class MultiStepsState(NamedTuple):
       weight but a non-finite gradient or loss, and so without an update.
     skip_state: Whatever ``should_skip_update_fn`` returned last; ``()``
       without one.
+    micro_batches_seen: int32 ``[]``, saturating. Every micro-batch :meth:`add`
+      has seen in the run, whatever became of it (rejected, dropped, of weight
+      0, in a skipped window). ``make_train_step`` gives the run's ``n``-th
+      micro-batch the key ``jax.random.fold_in(rng, n)`` with this count, so
+      no two micro-batches of a run share a key (for the first ``2**31 - 1``).
+      A state built by hand without it starts at 0.
   """
 
   mini_step: jax.Array
@@ -66,6 +72,7 @@ class MultiStepsState(NamedTuple):
   skipped_micro_batches: jax.Array
   skipped_windows: jax.Array
   skip_state: Any = ()
+  micro_batches_seen: ArrayLike = np.int32(0)
 
 
 def _validated_every_k(
@@ -164,15 +171,22 @@ class MultiSteps:
   rejected by ``should_skip_update_fn``  no (as in optax)  nothing
   =====================================  ================  ========
 
-  A window whose summed gradient (or loss) is not finite ends without an
-  update whatever the policy (the check is one pass for the gradient's norm,
-  so a norm that overflows, from elements above ~1e19 in float32, counts as
-  not finite): params, the inner state, ``gradient_step`` and
-  any schedule are untouched, and ``skipped_windows`` counts it. "Adds
-  nothing" and the reset at the end of a window are selections, not products
-  with 0, so a NaN in one window never reaches the next. (After a window that
-  ``make_train_step`` ended, ``acc_grads`` keeps that window's sum, NaN
-  included, until the next window's first micro-batch overwrites it.)
+  With ``axis_name``, a micro-batch is the same on every replica: a rejection,
+  a bad weight or (``skip_micro_batch``) a non-finite gradient on one replica
+  drops it on all of them, counted once.
+
+  Weights, their sum and the products ``weight * grad`` are float32 at least,
+  whatever ``accumulator_dtype`` is; only the running sum is stored in it.
+  A window whose gradient (the sum times ``1 / total weight``, cast to each
+  leaf's dtype: what the inner optimizer would receive) or loss is not finite
+  ends without an update whatever the policy, whether a micro-batch brought a
+  NaN or the sum or the cast to a float16 leaf overflowed: params, the inner
+  state, ``gradient_step`` and any schedule are untouched, and
+  ``skipped_windows`` counts it. "Adds nothing" and the reset at the end of a
+  window are selections, not products with 0, so a NaN in one window never
+  reaches the next. (After a window that ``make_train_step`` ended,
+  ``acc_grads`` keeps that window's sum, NaN included, until the next window's
+  first micro-batch overwrites it.)
 
   Args:
     opt: The optimizer to run once per window.
@@ -186,7 +200,9 @@ class MultiSteps:
       happened (only ``skip_state`` changes), except that ``end_window=True``
       on it still ends the window.
     accumulator_dtype: Dtype of the accumulator. ``None`` (default) uses
-      float32, or the leaf's own dtype where that is wider (float64).
+      float32, or the leaf's own dtype where that is wider (float64). A
+      narrower one (bfloat16, float16) stores the running sum only: weights
+      and ``weight * grad`` stay float32, and each add rounds once.
     grad_reduction: How the caller reduced each micro-batch's loss over its
       items: ``"mean"`` (default) or ``"sum"``. ``"sum"`` requires ``weight``.
     axis_name: Inside ``shard_map`` or ``pmap``: the data-parallel mesh axis
@@ -339,6 +355,7 @@ class MultiSteps:
       skipped_micro_batches=jnp.zeros([], jnp.int32),
       skipped_windows=jnp.zeros([], jnp.int32),
       skip_state=skip_state,
+      micro_batches_seen=jnp.zeros([], jnp.int32),
     )
 
   def update(
@@ -414,6 +431,11 @@ class MultiSteps:
     w = _checks.scalar(weight, name="weight", dtype=weight_dtype)
 
     summed = None if self._axis_name is None else ReplicaSum(self._axis_name)
+    if summed is not None and summed.tracked:
+      # `weight` is each replica's own, whatever its type says: a constant (or
+      # the default 1) is the same on every replica but still sums over them,
+      # as it does under pmap or check_vma=False.
+      w = varying_over(w, summed.axes)
     skip_state = state.skip_state
     counted = jnp.array(True)
     if self._should_skip_update_fn is not None:
@@ -432,21 +454,26 @@ class MultiSteps:
       counted = jnp.logical_not(skip)
 
     # Negative or non-finite weights count towards k but add nothing. The
-    # `where` (not a product with 0) keeps a NaN gradient out of the sum.
-    valid = jnp.isfinite(w) & (w >= 0)
-    dropped = counted & ~valid
-    adds = counted & valid & (w > 0)
+    # `where` (not a product with 0) keeps a NaN gradient out of the sum. A bad
+    # weight on any replica drops the micro-batch on all of them (and on every
+    # model shard), like a rejection, and is counted once.
+    window = (w, state.acc_weight)
+    dropped = on_any_shard(
+      counted & ~(jnp.isfinite(w) & (w >= 0)), self._axis_name, window=window
+    )
+    adds = counted & ~dropped & (w > 0)
     if self._on_nonfinite == "skip_micro_batch":
       bad = adds & ~_all_finite(updates, () if loss is None else loss)
-      # Dropped on every replica and model shard, like a rejection.
-      bad = on_any_shard(bad, self._axis_name, window=(w, state.acc_weight))
+      bad = on_any_shard(bad, self._axis_name, window=window)
       adds, dropped = adds & ~bad, dropped | (counted & bad)
-    # One count for the micro-batch, the same on every replica and shard.
-    dropped = on_any_shard(dropped, self._axis_name, window=(w, state.acc_weight))
     w = jnp.where(adds, w, jnp.zeros_like(w))
     total_w = w if summed is None else summed(w)  # Over all replicas.
 
     def contribution(x: ArrayLike, dtype: Any, name: str) -> jax.Array:
+      # Weights and their products stay at least as wide as the weight (float32)
+      # whatever the accumulator dtype: a float16 accumulator must not turn a
+      # weight of 70000 into inf, nor a bfloat16 one 257 into 256.
+      dtype = _wider(dtype, weight_dtype)
       x = jnp.asarray(x).astype(dtype)
       if summed is None:
         local_axes: tuple[str, ...] = ()
@@ -479,14 +506,14 @@ class MultiSteps:
     # A window's first micro-batch overwrites whatever the accumulator holds
     # (see `close(empty_accumulator=False)`): a select fused into the add.
     first = state.mini_step == 0
-    acc_grads = jax.tree_util.tree_map_with_path(
-      lambda path, acc, g: (
-        jnp.where(first, jnp.zeros_like(acc), acc)
-        + contribution(g, acc.dtype, f"`updates` leaf {jax.tree_util.keystr(path)}")
-      ),
-      state.acc_grads,
-      updates,
-    )
+
+    def accumulate(path: Any, acc: jax.Array, g: Any) -> jax.Array:
+      term = contribution(g, acc.dtype, f"`updates` leaf {jax.tree_util.keystr(path)}")
+      # Added in the product's dtype: one rounding to the accumulator's.
+      start = jnp.where(first, jnp.zeros_like(acc), acc).astype(term.dtype)
+      return (start + term).astype(acc.dtype)
+
+    acc_grads = jax.tree_util.tree_map_with_path(accumulate, state.acc_grads, updates)
     added = state._replace(
       mini_step=jnp.where(
         counted, optax.safe_increment(state.mini_step), state.mini_step
@@ -497,6 +524,9 @@ class MultiSteps:
       updated=jnp.zeros_like(state.updated),
       skipped_micro_batches=_count_if(dropped, state.skipped_micro_batches),
       skip_state=skip_state,
+      micro_batches_seen=optax.safe_increment(
+        jnp.asarray(state.micro_batches_seen, jnp.int32)
+      ),
     )
     return added, counted
 
@@ -561,7 +591,10 @@ class MultiSteps:
     Returns:
       ``(updates, state, grad_norm)``: the inner optimizer's updates (exact
       zeros unless the window ends with positive weight), the new state, and
-      the global norm of the window gradient that was applied (0 if none).
+      the global norm of the window gradient that was applied (0 if none;
+      float32, its squares summed in the weight's dtype: inf when they
+      overflow, from elements above ~1e19 in float32, while the update still
+      applies).
     """
     for name in (WINDOW_WEIGHT, WINDOW_MICRO_STEPS):
       if name in extra_args:
@@ -574,22 +607,45 @@ class MultiSteps:
     ends = jnp.asarray(ends)
     acc_weight = added.acc_weight
     positive = ends & (acc_weight > 0)
+    scale = acc_weight if self._use_grad_mean else jnp.ones_like(acc_weight)
+    inverse = 1 / scale  # In the weight's dtype: float32 at least.
 
-    def window_norm() -> jax.Array:
-      return optax.tree.norm(added.acc_grads)
+    def window_grad(acc: jax.Array, like: Any) -> jax.Array:
+      # A product with the reciprocal (within 1 ulp of the quotient): XLA
+      # fuses it into the optimizer's ops, where a quotient gets a buffer.
+      dtype = _wider(acc.dtype, inverse.dtype)
+      product = acc.astype(dtype) * inverse.astype(dtype)
+      return product.astype(jnp.result_type(like))
 
-    def nonfinite_window(norm: jax.Array | None = None) -> jax.Array:
-      # A NaN or Inf anywhere in the window, on any model shard, skips it. One
-      # pass over the accumulator: its norm is not finite exactly then, or
-      # when its square overflows (elements above ~1e19 in float32).
-      norm = window_norm() if norm is None else norm
-      flag = ~_all_finite(norm, added.acc_loss, acc_weight)
+    def window_squares() -> jax.Array:
+      # The squared norm of the gradient the inner optimizer would receive,
+      # each element in its leaf's dtype, summed in the weight's dtype, plus
+      # `g * 0`: NaN exactly when an element is not finite (inf * 0 is NaN),
+      # whether the sum, the product or the cast to a float16 leaf overflowed;
+      # inf when only the squares overflow. One pass serves the finite check
+      # and the norm; XLA simplifies neither `x * 0` nor `sqrt(x * x + x * 0)`.
+      squares = [
+        jnp.sum(jnp.square(g) + g * 0)
+        for g in jax.tree.leaves(
+          jax.tree.map(
+            lambda acc, like: jnp.abs(window_grad(acc, like)).astype(acc_weight.dtype),
+            added.acc_grads,
+            grads_like,
+          )
+        )
+      ]
+      return sum(squares, jnp.zeros([], acc_weight.dtype))
+
+    def nonfinite_window(squares: jax.Array | None = None) -> jax.Array:
+      # A NaN or Inf anywhere in the window, on any model shard, skips it.
+      squares = window_squares() if squares is None else squares
+      flag = jnp.isnan(squares) | ~_all_finite(added.acc_loss, acc_weight)
       return on_any_shard(flag, self._axis_name, window=acc_weight)
 
-    norm: jax.Array | None = None
-    if branchless:  # The norm serves the check and the metric.
-      norm = window_norm()
-      nonfinite = positive & nonfinite_window(norm)
+    squares: jax.Array | None = None
+    if branchless:  # One pass serves the check and the metric.
+      squares = window_squares()
+      nonfinite = positive & nonfinite_window(squares)
     else:  # Only the call that ends a window reads its whole accumulator.
       aval = jax.make_jaxpr(nonfinite_window)().out_avals[0]
       nonfinite = jax.lax.cond(
@@ -603,16 +659,6 @@ class MultiSteps:
       apply_to: optax.Params | None = apply_to,
       params: optax.Params | None = params,
     ) -> tuple[optax.Updates, optax.OptState, jax.Array]:
-      scale = acc_weight if self._use_grad_mean else jnp.ones_like(acc_weight)
-      inverse = 1 / scale  # In the weight's dtype: float32 at least.
-
-      def window_grad(acc: jax.Array, like: Any) -> jax.Array:
-        # A product with the reciprocal (within 1 ulp of the quotient): XLA
-        # fuses it into the optimizer's ops, where a quotient gets a buffer.
-        dtype = _wider(acc.dtype, inverse.dtype)
-        product = acc.astype(dtype) * inverse.astype(dtype)
-        return product.astype(jnp.result_type(like))
-
       grads = jax.tree.map(window_grad, added.acc_grads, grads_like)
       optional = {
         WINDOW_WEIGHT: acc_weight,
@@ -635,7 +681,7 @@ class MultiSteps:
         inner,
         inner_state,
       )
-      grad_norm = (window_norm() if norm is None else norm) / scale.astype(jnp.float32)
+      grad_norm = jnp.sqrt(window_squares() if squares is None else squares)
       if apply_to is not None:
         new_updates = optax.apply_updates(apply_to, new_updates)
       return new_updates, inner, grad_norm.astype(jnp.float32)

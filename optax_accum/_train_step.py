@@ -11,6 +11,7 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike
 
+from optax_accum import _checks
 from optax_accum._collectives import AxisName, ReplicaSum, varying_over
 from optax_accum._inspect import get_hyperparams
 from optax_accum._multi_steps import MultiSteps, MultiStepsState
@@ -183,7 +184,8 @@ class TrainStep:
         f"{type(opt_state).__module__}.{type(opt_state).__qualname__}."
       )
     if self.mode == "scan":
-      if end_window is not False:
+      _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
+      if _is_traced(end_window) or bool(end_window):
         raise ValueError(
           "`end_window` is for streaming: in scan mode every call ends a window."
         )
@@ -311,10 +313,9 @@ class TrainStep:
     """Gradient, loss, weight and aux of one micro-batch."""
     args: tuple[Any, ...] = (batch,)
     if rng is not None:
-      # One key per micro-batch, the same in streaming and scan mode.
-      key = jax.random.fold_in(
-        jax.random.fold_in(rng, state.gradient_step), state.mini_step
-      )
+      # The run's n-th micro-batch gets fold_in(rng, n), whatever became of the
+      # micro-batches before it, the same in streaming and scan mode.
+      key = jax.random.fold_in(rng, state.micro_batches_seen)
       args = (batch, key)
 
     if self.optimizer.axis_name is not None:

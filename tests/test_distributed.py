@@ -176,6 +176,35 @@ def test_shard_map_with_axis_name_sums_over_replicas(reduction, check_vma):
     assert toy_lm.rel_error(results[None], whole) > 1e-2
 
 
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("weight", [None, 2.0], ids=["default", "constant"])
+def test_a_constant_weight_is_each_replicas_own(weight, check_vma):
+  """Found by tests/test_reference.py: with `check_vma=True` a weight that is
+  the same on every replica (the default 1, or a Python constant) was taken as
+  already global, so the window's weight was one replica's and the gradient
+  `replicas` times too large. It is each replica's, as under check_vma=False."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AUTO,))
+  opt = optax_accum.MultiSteps(optax.identity(), 1, axis_name="data")
+  kwargs = {} if weight is None else {"weight": weight}
+
+  def window(grads):
+    updates, state = opt.update(
+      {"w": grads[0]}, opt.init({"w": jnp.zeros(3)}), **kwargs
+    )
+    return updates["w"][None], state.gradient_step[None]
+
+  grads = np.arange(24, dtype=np.float32).reshape(8, 3)
+  run = jax.jit(
+    jax.shard_map(
+      window, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=check_vma
+    )
+  )
+  updates, updated = run(grads)
+  np.testing.assert_array_equal(updated, 1)
+  for replica in range(8):
+    np.testing.assert_allclose(updates[replica], grads.mean(axis=0), rtol=1e-6)
+
+
 def test_replicated_params_with_mean_loss_explain_the_fix():
   """check_vma: autodiff already summed per-replica means; weights can't apply."""
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AUTO,))
@@ -254,3 +283,21 @@ def test_split_micro_batches_keeps_rows_on_their_devices():
   assert split["mask"].sharding.spec == P(None, "data")
   hlo = jax.jit(functools.partial(optax_accum.split_micro_batches, k=2)).lower(batch)
   assert "all-gather" not in hlo.compile().as_text()
+
+
+@pytest.mark.parametrize(("rows", "k"), [(16, 2), (16, 8)])
+def test_split_micro_batches_stays_sharded_only_when_rows_divide(rows, k):
+  """Issue 16, item 4: each micro-batch keeps its rows on their devices when
+  it has a multiple of the device count (16 // 2 = 8 rows on 8 devices); with
+  16 // 8 = 2 rows for 8 devices it cannot, and JAX gathers (as documented).
+  The values are those of the rows i, i + k, ... either way."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AUTO,))
+  x = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3)
+  split = optax_accum.split_micro_batches(
+    {"x": jax.device_put(x, NamedSharding(mesh, P("data")))}, k
+  )["x"]
+  np.testing.assert_array_equal(
+    split, optax_accum.split_micro_batches({"x": x}, k)["x"]
+  )
+  in_place = (rows // k) % 8 == 0
+  assert (split.sharding.spec == P(None, "data")) == in_place, split.sharding

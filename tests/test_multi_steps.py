@@ -430,6 +430,26 @@ def test_bf16_params_get_bf16_gradients_from_a_float32_accumulator():
   assert abs(results[jnp.bfloat16] - exact) > 0.05  # bf16 sums drop the small terms.
 
 
+def test_a_narrow_accumulator_keeps_weights_and_products_in_float32():
+  """Issue 16, item 3: weights and `weight * grad` stay float32 whatever
+  `accumulator_dtype` is; only the sum is stored narrow."""
+  # float16: 70000 is inf, 70000 * 1e-3 = 70 is not.
+  opt = optax_accum.MultiSteps(optax.identity(), 1, accumulator_dtype=jnp.float16)
+  out, state = opt.update(
+    {"w": jnp.full(2, 1e-3)}, opt.init({"w": jnp.zeros(2)}), weight=70000.0
+  )
+  assert bool(state.updated) and int(state.skipped_windows) == 0
+  np.testing.assert_allclose(out["w"], 1e-3, rtol=1e-3)
+  # bfloat16: the weight 257 (256 in bfloat16) multiplies in float32; 257 * 3 =
+  # 771 rounds once, to 772, and the denominator is 257.
+  opt = optax_accum.MultiSteps(optax.identity(), 1, accumulator_dtype=jnp.bfloat16)
+  out, state = opt.update(
+    {"w": jnp.full(2, 3.0)}, opt.init({"w": jnp.zeros(2)}), weight=257.0
+  )
+  assert state.acc_weight.dtype == jnp.float32
+  np.testing.assert_allclose(out["w"], np.float32(772) / np.float32(257), rtol=1e-7)
+
+
 def test_float64_params_keep_a_float64_accumulator():
   with jax.enable_x64(True):
     opt = optax_accum.MultiSteps(optax.identity(), 2)
@@ -470,7 +490,9 @@ def test_state_fields():
     "skipped_micro_batches",
     "skipped_windows",
     "skip_state",
+    "micro_batches_seen",
   )
+  assert state.micro_batches_seen.dtype == jnp.int32
   assert state.mini_step.dtype == state.gradient_step.dtype == jnp.int32
   assert state.acc_weight.dtype == jnp.float32 and state.updated.dtype == jnp.bool_
 

@@ -114,6 +114,83 @@ def test_a_window_that_overflows_is_skipped_under_either_policy(policy):
   chex.assert_trees_all_equal(updates, {"w": jnp.zeros(3)})
 
 
+@pytest.mark.parametrize("how", ["update", "train_step"])
+def test_a_window_gradient_that_overflows_float16_params_is_skipped(how):
+  """Issue 16, item 2: the float32 sum 90000 is finite, its cast to float16 is
+  not; it must not reach the params."""
+  k = 3
+  opt = optax_accum.MultiSteps(optax.sgd(1.0), k, use_grad_mean=False)
+  params = {"w": jnp.ones(2, jnp.float16)}
+  state = opt.init(params)
+  grads = {"w": jnp.full(2, 30.0, jnp.float16)}
+  if how == "update":
+    for _ in range(k):
+      updates, state = jax.jit(opt.update)(grads, state, params, weight=1000.0)
+    params = optax.apply_updates(params, updates)
+  else:
+
+    def loss_fn(params, batch):
+      return jnp.sum(params["w"] * batch).astype(jnp.float32), jnp.float32(1000)
+
+    step = optax_accum.make_train_step(loss_fn, opt)
+    for _ in range(k):
+      params, state, metrics = step(params, state, grads["w"])
+    assert not bool(metrics["updated"]) and int(metrics["skipped_windows"]) == 1
+  assert not bool(state.updated) and int(state.gradient_step) == 0
+  assert int(state.skipped_windows) == 1
+  np.testing.assert_array_equal(params["w"], np.ones(2, np.float16))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_huge_sum_with_a_finite_window_gradient_is_applied(jit):
+  """The check is on the window gradient, not on the weighted sum: a sum above
+  ~1e19 (whose square overflows float32) divided by its weight is fine, and so
+  is a single huge element, eagerly and under jit alike (XLA simplifies
+  sqrt(x * x) to |x| for one element, so a check on the norm's overflow gave
+  one answer under jit and another eagerly)."""
+  for use_grad_mean, grads, weight, want in [
+    (True, {"w": jnp.full(2, 1e10)}, 1e10, -1e10),
+    (False, {"w": jnp.float32(9e19)}, 1.0, -9e19),
+  ]:
+    opt = optax_accum.MultiSteps(optax.sgd(1.0), 1, use_grad_mean=use_grad_mean)
+    update = jax.jit(opt.update) if jit else opt.update
+    state = opt.init(jax.tree.map(jnp.zeros_like, grads))
+    out, state = update(grads, state, weight=weight)
+    assert bool(state.updated) and int(state.skipped_windows) == 0, use_grad_mean
+    np.testing.assert_allclose(out["w"], want, rtol=1e-6)
+
+
+def test_a_bad_weight_on_one_replica_drops_the_micro_batch_on_all():
+  """A NaN or negative weight on one replica drops the whole micro-batch, on
+  every replica (counted once), as a non-finite gradient does: the other
+  replicas' parts of it must not enter the window alone."""
+  devices = 4
+  if jax.device_count() < devices:
+    pytest.skip("needs 4 devices")
+  spec = jax.sharding.PartitionSpec("data")
+  mesh = jax.make_mesh((devices,), ("data",), axis_types=(AUTO,))
+  opt = optax_accum.MultiSteps(optax.identity(), 2, axis_name="data")
+
+  def window(grads, weights):
+    state = opt.init({"w": jnp.zeros(3)})
+    for i in range(2):
+      updates, state = opt.update({"w": grads[0, i]}, state, weight=weights[0, i])
+    return jax.tree.map(lambda x: x[None], (updates, state))
+
+  grads = np.arange(devices * 2 * 3, dtype=np.float32).reshape(devices, 2, 3)
+  for bad in (np.nan, -2.0):
+    weights = np.full((devices, 2), 2.0, np.float32)
+    weights[1, 0] = bad  # Replica 1's first micro-batch.
+    run = jax.jit(
+      jax.shard_map(window, mesh=mesh, in_specs=(spec, spec), out_specs=spec)
+    )
+    updates, state = run(grads, weights)
+    np.testing.assert_array_equal(state.skipped_micro_batches, 1)
+    np.testing.assert_array_equal(state.gradient_step, 1)
+    for replica in range(devices):  # Only the second micro-batch is in.
+      np.testing.assert_allclose(updates["w"][replica], grads[:, 1].mean(axis=0))
+
+
 @pytest.mark.parametrize("mode", ["stream", "scan"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_train_step_reports_skips_and_keeps_params(mode, policy):

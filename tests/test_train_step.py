@@ -217,6 +217,69 @@ def test_rng_gives_each_micro_batch_its_own_reproducible_key():
   assert toy_lm.max_rel_diff(run("stream", 1), stream) > 1e-4  # Keys matter.
 
 
+def _key_loss(params, batch, key):
+  """Loss ``sum(params * g) * scale``, weight ``w``; the key's data as aux."""
+  loss = jnp.sum(params["w"] * batch["g"]) * batch["scale"]
+  return loss, (batch["w"], jax.random.key_data(key))
+
+
+def test_keys_never_repeat_through_skipped_empty_and_rejected_micro_batches():
+  """Issue 16, item 1: with a fixed `rng`, a window skipped as non-finite, an
+  all-padding window and a micro-batch rejected by `should_skip_update_fn` move
+  no window counter, yet every micro-batch gets a key of its own: the run's
+  n-th gets `fold_in(rng, n)`, the same in streaming and scan mode."""
+  k = 2
+  rows = [  # (scale, weight, rejected): skipped window, empty window, rejection.
+    (np.nan, 3.0, False),
+    (1.0, 2.0, False),
+    (1.0, 0.0, False),
+    (1.0, 0.0, False),
+    (1.0, 4.0, True),
+    (1.0, 1.0, False),
+    (1.0, 5.0, False),
+  ]
+  batches = [
+    {
+      "g": np.full(3, -1.0 if rejected else i + 1.0, np.float32),
+      "scale": np.float32(scale),
+      "w": np.float32(weight),
+    }
+    for i, (scale, weight, rejected) in enumerate(rows)
+  ]
+
+  def reject(updates, gradient_step, params):
+    del gradient_step, params
+    return updates["w"][0] < 0, ()
+
+  rng = jax.random.key(7)
+  want = np.stack(
+    [jax.random.key_data(jax.random.fold_in(rng, n)) for n in range(len(rows))]
+  )
+  keys = {}
+  for mode, windows in [
+    ("stream", [[b] for b in batches]),
+    ("scan", [[0, 1], [2, 3], [4, 5, 6]]),
+  ]:
+    opt = optax_accum.MultiSteps(optax.sgd(0.1), k, should_skip_update_fn=reject)
+    step = optax_accum.make_train_step(_key_loss, opt, mode=mode, has_aux=True)
+    params = {"w": jnp.zeros(3)}
+    state = opt.init(params)
+    seen, counters = [], []
+    for window in windows:
+      if mode == "scan":
+        window = [jax.tree.map(lambda *x: np.stack(x), *[batches[i] for i in window])]
+      for batch in window:
+        params, state, metrics = step(params, state, batch, rng)
+        seen.append(np.asarray(metrics["aux"]).reshape(-1, 2))
+        counters.append((int(state.gradient_step), int(state.mini_step)))
+    keys[mode] = np.concatenate(seen)
+    assert int(state.micro_batches_seen) == len(rows)
+    assert int(state.skipped_windows) == 1 and int(state.gradient_step) == 1
+  np.testing.assert_array_equal(keys["stream"], want)
+  np.testing.assert_array_equal(keys["scan"], want)
+  assert len({tuple(key) for key in want}) == len(rows)
+
+
 def test_scan_program_does_not_grow_with_k():
   params = toy_lm.init_params(seed=0)
   sizes, seconds = {}, {}
@@ -371,6 +434,66 @@ def test_call_errors():
     step(params, opt.init(params), uneven)
   with pytest.raises(ValueError, match=r"`end_window` is for streaming"):
     step(params, opt.init(params), toy_lm.make_batch(seed=0), end_window=True)
+
+
+FLAGS = {
+  "python": lambda flag: flag,
+  "numpy": np.bool_,
+  "jnp_bool": jnp.bool_,
+  "jax_array": jnp.asarray,
+}
+
+
+@pytest.mark.parametrize("kind", list(FLAGS))
+def test_scan_mode_accepts_any_false_end_window(kind):
+  """Issue 16, item 5: NumPy and JAX false flags are false too."""
+  false = FLAGS[kind](False)
+  opt = optax_accum.MultiSteps(optax.sgd(0.1), 2)
+  step = optax_accum.make_train_step(toy_lm.mean_loss, opt, mode="scan")
+  params = toy_lm.init_params(seed=0)
+  batch = optax_accum.split_micro_batches(toy_lm.make_batch(seed=0), 2)
+  _, state, metrics = step(params, opt.init(params), batch, end_window=false)
+  assert bool(metrics["updated"]) and int(state.gradient_step) == 1
+
+
+@pytest.mark.parametrize(
+  ("flag", "match"),
+  [
+    (lambda: np.True_, r"`end_window` is for streaming"),
+    (lambda: jnp.asarray(True), r"`end_window` is for streaming"),
+    (lambda: 0, r"`end_window` must be a boolean, got dtype int"),
+    (lambda: np.zeros(2, bool), r"`end_window` must be a scalar"),
+  ],
+  ids=["np_true", "jax_true", "int_zero", "array"],
+)
+def test_scan_mode_rejects_true_or_non_bool_end_window(flag, match):
+  """Scan mode ends every window; a non-bool flag is the same error as in
+  `MultiSteps.update` (README: `end_window` must be a bool scalar)."""
+  flag = flag()
+  opt = optax_accum.MultiSteps(optax.sgd(0.1), 2)
+  step = optax_accum.make_train_step(toy_lm.mean_loss, opt, mode="scan")
+  params = toy_lm.init_params(seed=0)
+  batch = optax_accum.split_micro_batches(toy_lm.make_batch(seed=0), 2)
+  with pytest.raises(ValueError, match=match):
+    step(params, opt.init(params), batch, end_window=flag)
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="_train_step.py (owned by issue 14): on a micro-step that cannot end "
+  "the window the host picks the accumulate-only program, which never sees "
+  "`end_window`, so a non-bool flag such as 0 passes there and raises only on "
+  "the micro-step that ends the window. Checking it with "
+  "_checks.check_scalar(end_window, name='end_window', dtype=jnp.bool_) in "
+  "TrainStep.__call__ before choosing a program fixes it.",
+)
+def test_stream_mode_rejects_a_non_bool_end_window_on_every_micro_step():
+  opt = optax_accum.MultiSteps(optax.sgd(0.1), 2)
+  step = optax_accum.make_train_step(toy_lm.mean_loss, opt, donate=False)
+  params = toy_lm.init_params(seed=0)
+  batch = toy_lm.split(toy_lm.make_batch(seed=0), 2)[0]
+  with pytest.raises(ValueError, match=r"`end_window` must be a boolean"):
+    step(params, opt.init(params), batch, end_window=0)
 
 
 # --- Batch helpers ----------------------------------------------------------------
