@@ -190,8 +190,10 @@ class TrainStep:
           "`end_window` is for streaming: in scan mode every call ends a window."
         )
       return self._run_update(params, opt_state, batch, rng)
+    if end_window is not False:  # Checked on every micro-step, not only the last.
+      _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
     counters = (opt_state.mini_step, opt_state.gradient_step, end_window)
-    if any(isinstance(x, jax.core.Tracer) for x in counters) or np.ndim(end_window):
+    if any(isinstance(x, jax.core.Tracer) for x in counters):
       return self._run_update(params, opt_state, batch, rng, end_window)
 
     known = self._known

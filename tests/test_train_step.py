@@ -478,15 +478,6 @@ def test_scan_mode_rejects_true_or_non_bool_end_window(flag, match):
     step(params, opt.init(params), batch, end_window=flag)
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="_train_step.py (owned by issue 14): on a micro-step that cannot end "
-  "the window the host picks the accumulate-only program, which never sees "
-  "`end_window`, so a non-bool flag such as 0 passes there and raises only on "
-  "the micro-step that ends the window. Checking it with "
-  "_checks.check_scalar(end_window, name='end_window', dtype=jnp.bool_) in "
-  "TrainStep.__call__ before choosing a program fixes it.",
-)
 def test_stream_mode_rejects_a_non_bool_end_window_on_every_micro_step():
   opt = optax_accum.MultiSteps(optax.sgd(0.1), 2)
   step = optax_accum.make_train_step(toy_lm.mean_loss, opt, donate=False)
