@@ -381,24 +381,7 @@ class TrainStep:
       grads, opt_state, params, weight=weight, loss=value
     )
     ends = self.optimizer.window_ends(added, counted, end_window)
-    params, new_state, grad_norm = self.optimizer.close(
-      added,
-      ends,
-      params,
-      grads_like=grads,
-      optional_args=_value(added),
-      apply_to=params,
-      branchless=True,
-      empty_accumulator=False,
-    )
-    metrics = self._in_graph_metrics(added, new_state, grad_norm, aux)
-    return (
-      params,
-      new_state.inner_opt_state,
-      new_state.acc_grads,
-      _counters(new_state),
-      metrics,
-    )
+    return self._close(added, ends, params, aux, grads_like=grads)
 
   def _scan(
     self,
@@ -425,16 +408,28 @@ class TrainStep:
     # accumulator changes inside the scan.
     added, auxs = jax.lax.scan(body, _joined(counters, None, acc), batch)
     added = added._replace(inner_opt_state=inner)
+    return self._close(added, True, params, auxs)
+
+  def _close(
+    self,
+    added: MultiStepsState,
+    ends: Any,
+    params: Any,
+    aux: Any,
+    grads_like: Any = None,
+  ) -> tuple[Any, ...]:
+    """Ends the window if ``ends``, updating params in place; split outputs."""
     params, new_state, grad_norm = self.optimizer.close(
       added,
-      True,
+      ends,
       params,
+      grads_like=grads_like,
       optional_args=_value(added),
       apply_to=params,
       branchless=True,
       empty_accumulator=False,
     )
-    metrics = self._in_graph_metrics(added, new_state, grad_norm, auxs)
+    metrics = self._in_graph_metrics(added, new_state, grad_norm, aux)
     return (
       params,
       new_state.inner_opt_state,
