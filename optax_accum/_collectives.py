@@ -62,6 +62,37 @@ class ReplicaSum:
     return jax.lax.psum(x, axes) if axes else x
 
 
+def replica_index(axis_name: AxisName) -> jax.Array:
+  """This replica's position over the mesh axes ``axis_name`` (row-major).
+
+  Inside ``shard_map`` or ``pmap`` only.
+  """
+  axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  index = jnp.zeros([], jnp.int32)
+  for axis in axes:
+    index = index * jax.lax.axis_size(axis) + jax.lax.axis_index(axis)
+  return index
+
+
+def replica_max(tree: Any, summed: ReplicaSum) -> Any:
+  """``tree`` made the same on every replica: each leaf's maximum over them.
+
+  A value that is already the same everywhere keeps it; a per-replica count or
+  flag becomes the largest (for a bool: whether any replica's is true).
+  """
+
+  def combine(x: Any) -> jax.Array:
+    x = jnp.asarray(x)
+    axes = summed.local_axes(x)
+    if not axes:
+      return x
+    if x.dtype == jnp.bool_:
+      return jax.lax.pmax(x.astype(jnp.int32), axes) > 0
+    return jax.lax.pmax(x, axes)
+
+  return jax.tree.map(combine, tree)
+
+
 def on_any_shard(
   flag: jax.Array, axis_name: AxisName | None = None, *, window: Any = ()
 ) -> jax.Array:

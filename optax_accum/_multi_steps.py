@@ -12,7 +12,14 @@ import optax
 from jax.typing import ArrayLike, DTypeLike
 
 from optax_accum import _checks
-from optax_accum._collectives import AxisName, ReplicaSum, on_any_shard, varying_over
+from optax_accum._collectives import (
+  AxisName,
+  ReplicaSum,
+  on_any_shard,
+  replica_index,
+  replica_max,
+  varying_over,
+)
 
 GradReduction = Literal["mean", "sum"]
 NonFinitePolicy = Literal["skip_window", "skip_micro_batch"]
@@ -402,12 +409,21 @@ class MultiSteps:
     *,
     weight: ArrayLike | None = None,
     loss: ArrayLike | None = None,
+    reduce_gradient: bool = True,
   ) -> tuple[MultiStepsState, jax.Array]:
     """First half of :meth:`update`: adds a micro-batch, never ends the window.
 
     Building block for train steps that know the window cannot end on this
     micro-batch (the accumulate-only program of ``make_train_step``), or that
     end it themselves with :meth:`close` (scan mode).
+
+    With ``axis_name`` and ``reduce_gradient=False``, the weighted gradient is
+    added to this replica's own partial sum instead of being summed over the
+    replicas now: ``acc_grads`` then differs per replica (the weight, loss and
+    counters do not), and the caller sums it once with :meth:`replica_sum`
+    before :meth:`close`: one gradient reduction per window instead of one
+    per micro-batch. A gradient JAX already summed over the replicas is added
+    on the first replica only.
 
     Returns:
       The state with the micro-batch added (``updated`` False), and whether
@@ -449,8 +465,10 @@ class MultiSteps:
         )
       if summed is not None:
         # A rejection on any replica rejects the micro-batch on all of them, so
-        # every replica keeps the same window.
+        # every replica keeps the same window, and the same `skip_state`: its
+        # leaves' maximum over the replicas.
         skip = summed(jnp.asarray(skip).astype(jnp.int32)) > 0
+        skip_state = replica_max(skip_state, summed)
       counted = jnp.logical_not(skip)
 
     # Negative or non-finite weights count towards k but add nothing. The
@@ -469,7 +487,9 @@ class MultiSteps:
     w = jnp.where(adds, w, jnp.zeros_like(w))
     total_w = w if summed is None else summed(w)  # Over all replicas.
 
-    def contribution(x: ArrayLike, dtype: Any, name: str) -> jax.Array:
+    def contribution(
+      x: ArrayLike, dtype: Any, name: str, reduce: bool = True
+    ) -> jax.Array:
       # Weights and their products stay at least as wide as the weight (float32)
       # whatever the accumulator dtype: a float16 accumulator must not turn a
       # weight of 70000 into inf, nor a bfloat16 one 257 into 256.
@@ -497,6 +517,16 @@ class MultiSteps:
         # one (weight invariant too) by the total.
         x = x * (w if summed is None or local_axes else total_w).astype(dtype)
       x = jnp.where(keep, x, jnp.zeros_like(x))
+      if summed is None:
+        return x
+      if not reduce:
+        # This replica's share of the sum `replica_sum` takes later: a value
+        # already summed over some axes counts on their first replica only.
+        summed_axes = tuple(a for a in summed.axes if a not in local_axes)
+        if summed_axes:
+          first = replica_index(summed_axes) == 0
+          x = jnp.where(first, x, jnp.zeros_like(x))
+        return varying_over(x, summed.axes) if summed.tracked else x
       return jax.lax.psum(x, local_axes) if local_axes else x
 
     acc_loss = state.acc_loss
@@ -508,7 +538,8 @@ class MultiSteps:
     first = state.mini_step == 0
 
     def accumulate(path: Any, acc: jax.Array, g: Any) -> jax.Array:
-      term = contribution(g, acc.dtype, f"`updates` leaf {jax.tree_util.keystr(path)}")
+      name = f"`updates` leaf {jax.tree_util.keystr(path)}"
+      term = contribution(g, acc.dtype, name, reduce_gradient)
       # Added in the product's dtype: one rounding to the accumulator's.
       start = jnp.where(first, jnp.zeros_like(acc), acc).astype(term.dtype)
       return (start + term).astype(acc.dtype)
@@ -529,6 +560,14 @@ class MultiSteps:
       ),
     )
     return added, counted
+
+  def replica_sum(self, acc_grads: optax.Updates) -> optax.Updates:
+    """The replicas' partial sums from ``add(..., reduce_gradient=False)``,
+    summed over ``axis_name``: one reduction for the window."""
+    if self._axis_name is None:
+      return acc_grads
+    summed = ReplicaSum(self._axis_name)
+    return jax.tree.map(summed, acc_grads)
 
   def k_at(self, gradient_step: ArrayLike) -> jax.Array:
     """Micro-batches per window after ``gradient_step`` updates (int32, >= 1)."""

@@ -9,12 +9,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
 from optax_accum import _checks
-from optax_accum._collectives import AxisName, ReplicaSum, varying_over
+from optax_accum._collectives import (
+  AxisName,
+  ReplicaSum,
+  replica_index,
+  varying_over,
+)
 from optax_accum._inspect import get_hyperparams
 from optax_accum._multi_steps import MultiSteps, MultiStepsState
+from optax_accum._replicas import (
+  DataLayout,
+  data_layout,
+  has_partial_sums,
+  per_replica,
+  summed,
+)
 
 Mode = Literal["stream", "scan"]
 Metrics = dict[str, Any]
@@ -53,7 +66,30 @@ def _per_replica(params: Any, summed: ReplicaSum) -> Any:
   """
   if not summed.tracked:
     return params
+  for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+    sharded = set(summed.local_axes(p))
+    if sharded:
+      raise ValueError(
+        f"params{jax.tree_util.keystr(path)} differs per replica over mesh axis "
+        f"{sorted(sharded)[0]!r}, the data axis `axis_name` sums over: params "
+        "sharded over the data axis (FSDP, ZeRO) would have their gradients "
+        "summed twice. Pass params replicated over it (in_specs P() or P over "
+        "a model axis only), or shard them over the data axis under plain jit "
+        "without axis_name, where XLA reduce-scatters each micro-batch's "
+        "gradient."
+      )
   return jax.tree.map(lambda p: varying_over(p, summed.axes), params)
+
+
+def _local_zeros(axis_name: AxisName) -> Callable[[jax.Array], jax.Array]:
+  """Zeros like an array, marked as this replica's own over ``axis_name``."""
+  summed = ReplicaSum(axis_name)
+
+  def zeros(x: jax.Array) -> jax.Array:
+    zeros = jnp.zeros_like(x)
+    return varying_over(zeros, summed.axes) if summed.tracked else zeros
+
+  return zeros
 
 
 def _unaliased(donated: Any, kept: Any) -> Any:
@@ -107,6 +143,7 @@ class _Known(NamedTuple):
   k: int | None  # The window's length; None where it must be read.
   params: Any  # Params the update program returned: fresh, unaliased buffers.
   learning_rate: Any  # The metric (unchanged until the next update), or _UNKNOWN.
+  layout: DataLayout | None = None  # Per-replica partial sums, under jit.
 
   def describes(self, state: MultiStepsState) -> bool:
     return (
@@ -166,6 +203,7 @@ class TrainStep:
     self.accumulate_program = jax.jit(
       self._accumulate, donate_argnums=(1,) if donate else ()
     )
+    self._per_replica_programs: dict[DataLayout, tuple[Any, Any]] = {}
     self._known: _Known | None = None
 
   def __call__(
@@ -189,19 +227,29 @@ class TrainStep:
         raise ValueError(
           "`end_window` is for streaming: in scan mode every call ends a window."
         )
-      return self._run_update(params, opt_state, batch, rng)
+      opt_state, layout = self._arranged(params, opt_state, batch)
+      return self._run_update(params, opt_state, batch, rng, layout=layout)
     if end_window is not False:  # Checked on every micro-step, not only the last.
       _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
     counters = (opt_state.mini_step, opt_state.gradient_step, end_window)
     if any(isinstance(x, jax.core.Tracer) for x in counters):
+      opt_state, _ = self._arranged(params, opt_state, batch)
       return self._run_update(params, opt_state, batch, rng, end_window)
 
     known = self._known
     hit = known is not None and known.describes(opt_state)
     if known is None or not hit:
+      opt_state, layout = self._arranged(params, opt_state, batch)
       known = _Known(
-        opt_state.mini_step, opt_state.gradient_step, None, None, None, _UNKNOWN
+        opt_state.mini_step,
+        opt_state.gradient_step,
+        None,
+        None,
+        None,
+        _UNKNOWN,
+        layout,
       )
+    layout = known.layout
     mini_step = _host_int(opt_state.mini_step) if known.value is None else known.value
     k = known.k
     if k is None:
@@ -211,14 +259,26 @@ class TrainStep:
     if ends:
       fresh = params is known.params  # Returned by the update program.
       params, opt_state, metrics = self._run_update(
-        params, opt_state, batch, rng, end_window, check_aliasing=not fresh
+        params,
+        opt_state,
+        batch,
+        rng,
+        end_window,
+        check_aliasing=not fresh,
+        layout=layout,
       )
       learning_rate = metrics.get("learning_rate")
     else:
       if learning_rate is _UNKNOWN:
         learning_rate = _copied_learning_rate(opt_state)
       params, opt_state, metrics = self._run_accumulate(
-        params, opt_state, batch, rng, learning_rate, check_aliasing=not hit
+        params,
+        opt_state,
+        batch,
+        rng,
+        learning_rate,
+        check_aliasing=not hit,
+        layout=layout,
       )
     if isinstance(opt_state.mini_step, jax.core.Tracer):
       return params, opt_state, metrics  # Called with traced params or batch.
@@ -230,6 +290,7 @@ class TrainStep:
       k=None if ends and self.optimizer.constant_k is None else k,
       params=params if ends else known.params,
       learning_rate=learning_rate,
+      layout=layout,
     )
     return params, opt_state, metrics
 
@@ -249,19 +310,114 @@ class TrainStep:
     scan mode, the whole window's program); ``"accumulate"`` the streaming
     program for micro-steps that cannot.
     """
+    opt_state, layout = self._arranged(params, opt_state, batch)
+    accumulate_program, update_program = self._programs(layout)
     split = (opt_state.inner_opt_state, opt_state.acc_grads, _counters(opt_state))
     if program == "accumulate" and self.mode == "stream":
-      return self.accumulate_program.lower(params, *split[1:], batch, rng)
+      return accumulate_program.lower(params, *split[1:], batch, rng)
     if program != "update":
       raise ValueError(
         f"`program` must be 'update' or, in streaming mode, 'accumulate'; got "
         f"{program!r}."
       )
     if self.mode == "scan":
-      return self.update_program.lower(params, *split, batch, rng)
-    return self.update_program.lower(params, *split, batch, rng, False)
+      return update_program.lower(params, *split, batch, rng)
+    return update_program.lower(params, *split, batch, rng, False)
 
   # -- calling the programs ------------------------------------------------
+
+  def _arranged(
+    self, params: Any, opt_state: MultiStepsState, batch: Any
+  ) -> tuple[MultiStepsState, DataLayout | None]:
+    """``opt_state`` with its accumulator in the layout this call runs with.
+
+    Under plain ``jit`` with ``axis_name`` (concrete arrays: not inside
+    ``shard_map``), the accumulator holds per-replica partial sums; anywhere
+    else one sum. Called for a state the step did not return last.
+    """
+    acc = opt_state.acc_grads
+    if self.optimizer.axis_name is None or _is_traced(params, opt_state, batch):
+      if has_partial_sums(acc, params):
+        opt_state = opt_state._replace(acc_grads=summed(acc, params))
+      return opt_state, None
+    layout = data_layout(
+      self.optimizer.axis_name, params, batch, scan=self.mode == "scan"
+    )
+    return opt_state._replace(acc_grads=per_replica(acc, params, layout)), layout
+
+  def _programs(self, layout: DataLayout | None) -> tuple[Any, Any]:
+    """The accumulate and update programs for one accumulator layout."""
+    if layout is None:
+      return self.accumulate_program, self.update_program
+    if layout not in self._per_replica_programs:
+      self._per_replica_programs[layout] = self._per_replica(layout)
+    return self._per_replica_programs[layout]
+
+  def _per_replica(self, layout: DataLayout) -> tuple[Any, Any]:
+    """The programs run in a ``shard_map`` over the data axes (see
+    :mod:`optax_accum._replicas`): the accumulator's leading axis, the batch's
+    rows and ``aux`` (a new replica axis) are split over them."""
+    scan = self.mode == "scan"
+    rows = P(None, *layout.spec()) if scan else layout.spec()
+    split, whole = layout.spec(), P()
+
+    def one(x: Any) -> Any:  # This replica's slice of a leading replica axis.
+      return jax.tree.map(lambda a: a[0], x)
+
+    def stack(x: Any, axis: int = 0) -> Any:  # Gains a replica axis.
+      return jax.tree.map(lambda a: jnp.expand_dims(a, axis), x)
+
+    def accumulate(params: Any, acc: Any, counters: Any, batch: Any, rng: Any) -> Any:
+      acc, counters, loss, grad_norm, aux = self._accumulate(
+        params, one(acc), counters, batch, rng, partial=True
+      )
+      return stack(acc), counters, loss, grad_norm, stack(aux)
+
+    def update(
+      params: Any, inner: Any, acc: Any, counters: Any, batch: Any, rng: Any, *end: Any
+    ) -> Any:
+      body = self._scan if scan else self._update
+      params, inner, acc, counters, metrics = body(
+        params, inner, one(acc), counters, batch, rng, *end, partial=True
+      )
+      aux = metrics.pop("aux", None)
+      return params, inner, stack(acc), counters, metrics, stack(aux, int(scan))
+
+    def program(fn: Any, in_specs: Any, out_specs: Any, donate: Any) -> Any:
+      mapped = jax.shard_map(
+        fn,
+        mesh=layout.mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        axis_names=set(layout.axes),
+      )
+      return jax.jit(mapped, donate_argnums=donate if self.donate else ())
+
+    accumulate_program = program(
+      accumulate,
+      (whole, split, whole, rows, whole),
+      (split, whole, whole, whole, rows),
+      (1,),
+    )
+    end_window = () if scan else (whole,)
+    update_program = program(
+      update,
+      (whole, whole, split, whole, rows, whole, *end_window),
+      (whole, whole, split, whole, whole, rows),
+      (0, 1, 2),
+    )
+
+    def with_aux(fn: Any) -> Any:
+      def run(*args: Any) -> Any:
+        *out, aux = fn(*args)
+        if self.has_aux:
+          out[-1] = {**out[-1], "aux": aux}
+        return tuple(out)
+
+      run.lower = fn.lower  # type: ignore[attr-defined]
+      return run
+
+    return accumulate_program, with_aux(update_program)
 
   def _run_update(
     self,
@@ -271,10 +427,11 @@ class TrainStep:
     rng: Any,
     *end_window: Any,
     check_aliasing: bool = True,
+    layout: DataLayout | None = None,
   ) -> StepOutput:
     if self.donate and check_aliasing and not _is_traced(params, opt_state):
       params, opt_state = _unaliased((params, opt_state), (batch, rng))
-    params, inner, acc, counters, metrics = self.update_program(
+    params, inner, acc, counters, metrics = self._programs(layout)[1](
       params,
       opt_state.inner_opt_state,
       opt_state.acc_grads,
@@ -293,11 +450,12 @@ class TrainStep:
     rng: Any,
     learning_rate: jax.Array | None,
     check_aliasing: bool = True,
+    layout: DataLayout | None = None,
   ) -> StepOutput:
     acc = opt_state.acc_grads
     if self.donate and check_aliasing and not _is_traced(params, acc):
       acc = _unaliased(acc, (params, opt_state.inner_opt_state, batch, rng))
-    acc, counters, loss, grad_norm, aux = self.accumulate_program(
+    acc, counters, loss, grad_norm, aux = self._programs(layout)[0](
       params, acc, _counters(opt_state), batch, rng
     )
     state = _joined(counters, opt_state.inner_opt_state, acc)
@@ -318,6 +476,9 @@ class TrainStep:
       # The run's n-th micro-batch gets fold_in(rng, n), whatever became of the
       # micro-batches before it, the same in streaming and scan mode.
       key = jax.random.fold_in(rng, state.micro_batches_seen)
+      if self.optimizer.axis_name is not None:
+        # Each replica draws its own dropout masks for its own rows.
+        key = jax.random.fold_in(key, replica_index(self.optimizer.axis_name))
       args = (batch, key)
 
     if self.optimizer.axis_name is not None:
@@ -357,11 +518,20 @@ class TrainStep:
     return metrics
 
   def _accumulate(
-    self, params: Any, acc: Any, counters: MultiStepsState, batch: Any, rng: Any
+    self,
+    params: Any,
+    acc: Any,
+    counters: MultiStepsState,
+    batch: Any,
+    rng: Any,
+    partial: bool = False,
   ) -> tuple[Any, MultiStepsState, jax.Array, jax.Array, Any]:
+    """Adds a micro-batch. ``partial``: ``acc`` is this replica's partial sum."""
     state = _joined(counters, None, acc)
     grads, value, weight, aux = self._grads(params, batch, rng, state)
-    added, _ = self.optimizer.add(grads, state, params, weight=weight, loss=value)
+    added, _ = self.optimizer.add(
+      grads, state, params, weight=weight, loss=value, reduce_gradient=not partial
+    )
     loss, grad_norm = _window_loss(added), jnp.zeros([], jnp.float32)
     return added.acc_grads, _counters(added), loss, grad_norm, aux
 
@@ -374,14 +544,24 @@ class TrainStep:
     batch: Any,
     rng: Any,
     end_window: Any,
+    *,
+    partial: bool = False,
   ) -> tuple[Any, ...]:
+    """Adds a micro-batch and ends the window if it is full or ``end_window``.
+    ``partial``: ``acc`` is this replica's partial sum, and stays one."""
     opt_state = _joined(counters, inner, acc)
     grads, value, weight, aux = self._grads(params, batch, rng, opt_state)
     added, counted = self.optimizer.add(
-      grads, opt_state, params, weight=weight, loss=value
+      grads, opt_state, params, weight=weight, loss=value, reduce_gradient=not partial
     )
     ends = self.optimizer.window_ends(added, counted, end_window)
-    return self._close(added, ends, params, aux, grads_like=grads)
+    if not partial:
+      return self._close(added, ends, params, aux, grads_like=grads)
+    window = added._replace(acc_grads=self.optimizer.replica_sum(added.acc_grads))
+    out = self._close(window, ends, params, aux, grads_like=grads)
+    # A window that goes on keeps its partial sums; after one that ended, the
+    # next window's first micro-batch overwrites them.
+    return (*out[:2], added.acc_grads, *out[3:])
 
   def _scan(
     self,
@@ -391,7 +571,10 @@ class TrainStep:
     counters: MultiStepsState,
     batch: Any,
     rng: Any,
+    *,
+    partial: bool = False,
   ) -> tuple[Any, ...]:
+    """A whole window. ``partial``: ``acc`` is this replica's partial sum."""
     sizes = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
     if len(sizes) != 1 or None in sizes or 0 in sizes:
       raise ValueError(
@@ -399,16 +582,40 @@ class TrainStep:
         f"of size >= 1, got leading sizes {sorted(map(str, sizes))}."
       )
 
+    # With `axis_name` each replica sums its own micro-batches inside the loop,
+    # and the replicas' sums are added up once after it: one gradient
+    # reduction per window. A streamed part of the window that `acc` already
+    # holds summed joins after the reduction.
+    axis_name = self.optimizer.axis_name
+    local = axis_name is not None
+    start = acc
+    if axis_name is not None and not partial:
+      start = jax.tree.map(_local_zeros(axis_name), acc)
+
     def body(state: MultiStepsState, micro_batch: Any) -> tuple[MultiStepsState, Any]:
       grads, value, weight, aux = self._grads(params, micro_batch, rng, state)
-      added, _ = self.optimizer.add(grads, state, params, weight=weight, loss=value)
+      added, _ = self.optimizer.add(
+        grads, state, params, weight=weight, loss=value, reduce_gradient=not local
+      )
       return added, aux
 
     # The inner optimizer's state stays out of the loop carry: only the
     # accumulator changes inside the scan.
-    added, auxs = jax.lax.scan(body, _joined(counters, None, acc), batch)
+    added, auxs = jax.lax.scan(body, _joined(counters, None, start), batch)
+    partial_sums = added.acc_grads
+    if local:
+      window = self.optimizer.replica_sum(partial_sums)
+      if not partial:
+        streamed = counters.mini_step > 0
+        window = jax.tree.map(
+          lambda total, acc: total + jnp.where(streamed, acc, jnp.zeros_like(acc)),
+          window,
+          acc,
+        )
+      added = added._replace(acc_grads=window)
     added = added._replace(inner_opt_state=inner)
-    return self._close(added, True, params, auxs)
+    out = self._close(added, True, params, auxs)
+    return (*out[:2], partial_sums, *out[3:]) if partial else out
 
   def _close(
     self,

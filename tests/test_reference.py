@@ -153,8 +153,12 @@ def _key(config: ref.Config, seed: int):
   return None
 
 
-def _key_data(key, n: int) -> np.ndarray:
+def _key_data(key, n: int, replica: int | None = None) -> np.ndarray:
+  """The key of the run's ``n``-th micro-batch (on one replica, under
+  ``axis_name``)."""
   key = jax.random.fold_in(key, n)
+  if replica is not None:
+    key = jax.random.fold_in(key, replica)
   if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     key = jax.random.key_data(key)
   return np.asarray(key)
@@ -425,9 +429,12 @@ def _run_replicated(config, plan, rng, key, *, how):
     if how == "pmap":  # One row per device.
       batch = jax.tree.map(lambda x: x[:, None], batch)
     out = run(params, state, batch, key, jnp.asarray(mbs[-1].end_window))
+    keys = out[2].pop("aux", None)  # Each replica's own keys.
     _replicas_agree(out)
     params, state, metrics = _index(out, 0)
     observed.append(_observe(state, params=params, metrics=metrics))
+    if keys is not None:
+      observed[-1]["replica_keys"] = np.asarray(keys)
   return params0, observed
 
 
@@ -596,7 +603,14 @@ def check_call(config, expected, obs, previous_params, key, where):
     for name in ("loss", "weight", "grad_norm", "learning_rate"):
       value, tol = f[name]
       _close(obs[f"m_{name}"], value, tol, f"{where}: metrics[{name}]")
-    if key is not None:
+    if key is not None and "replica_keys" in obs:  # Under axis_name.
+      for r, got in enumerate(obs["replica_keys"]):
+        want_keys = np.stack([_key_data(key, n, r) for n in expected.keys])
+        got_keys = got.reshape(want_keys.shape)
+        np.testing.assert_array_equal(
+          got_keys, want_keys, err_msg=f"{where}: keys of replica {r}"
+        )
+    elif key is not None:
       want_keys = np.stack([_key_data(key, n) for n in expected.keys])
       got_keys = obs["aux"].reshape(want_keys.shape)
       np.testing.assert_array_equal(got_keys, want_keys, err_msg=f"{where}: keys")

@@ -1,0 +1,137 @@
+"""Per-replica accumulators: one gradient reduction per window under plain jit.
+
+With ``make_train_step(..., axis_name="data")`` called under plain ``jit`` on a
+batch sharded over mesh axis ``"data"``, the step runs its programs in a
+``shard_map`` over that axis: each replica adds its own rows' weighted
+gradient to its own partial sum, and the partial sums are added up once, when
+the window ends. Between calls the state's accumulator holds the partial sums
+with a leading axis of replicas, sharded over the data axis: every device
+keeps one params-sized sum, as a replicated accumulator would.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from optax_accum._collectives import AxisName
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+class DataLayout(NamedTuple):
+  """The mesh and data-parallel axes a batch is sharded over."""
+
+  mesh: jax.sharding.Mesh
+  axes: tuple[str, ...]
+
+  @property
+  def replicas(self) -> int:
+    return math.prod(self.mesh.shape[axis] for axis in self.axes)
+
+  def spec(self, *rest: Any) -> P:
+    """A spec whose leading dimension is split over the data axes."""
+    return P(self.axes[0] if len(self.axes) == 1 else self.axes, *rest)
+
+
+def data_layout(
+  axis_name: AxisName, params: Any, batch: Any, *, scan: bool
+) -> DataLayout:
+  """Where ``batch`` is split over ``axis_name``; checks params are not.
+
+  Raises:
+    ValueError: if a batch leaf is not a ``NamedSharding`` array split over
+      exactly ``axis_name`` along its rows (the second axis in scan mode), or
+      a params leaf is split over ``axis_name``.
+  """
+  axes = _axes(axis_name)
+  dim = 1 if scan else 0
+  meshes = set()
+  for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+    sharding = getattr(leaf, "sharding", None)
+    spec = sharding.spec if isinstance(sharding, NamedSharding) else ()
+    got = _axes(spec[dim]) if len(spec) > dim else ()
+    if got != axes:
+      raise ValueError(
+        f"`axis_name` {axis_name!r} outside shard_map: the step sums each "
+        "replica's gradient once per window, so every batch leaf must be a "
+        f"jax.Array split over {axis_name!r} along its "
+        f"{'second (rows) axis in scan mode' if scan else 'rows (first axis)'};"
+        f" batch{jax.tree_util.keystr(path)} is split over {got or 'nothing'}. "
+        f"Place it with jax.device_put(batch, NamedSharding(mesh, "
+        f"P({'None, ' if scan else ''}{axis_name!r}))), or drop axis_name."
+      )
+    meshes.add(sharding.mesh)  # type: ignore[union-attr]
+  if len(meshes) != 1:
+    raise ValueError(f"The batch's leaves lie on {len(meshes)} different meshes.")
+  mesh = meshes.pop()
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+      split = {a for entry in sharding.spec for a in _axes(entry)} & set(axes)
+      if split:
+        raise ValueError(
+          f"params{jax.tree_util.keystr(path)} is split over the data axis "
+          f"{sorted(split)[0]!r} (FSDP, ZeRO): a per-replica partial sum would "
+          "need a whole copy of it on every device. Drop axis_name: under "
+          "plain jit XLA then reduce-scatters each micro-batch's gradient."
+        )
+  return DataLayout(mesh, axes)
+
+
+def _stacked(leaf: jax.Array, param: Any) -> bool:
+  return jnp.ndim(leaf) == jnp.ndim(param) + 1
+
+
+def per_replica(acc: Any, params: Any, layout: DataLayout) -> Any:
+  """``acc`` as per-replica partial sums: a leading axis of replicas.
+
+  A summed accumulator becomes the first replica's partial sum (the others
+  start from zeros), so a window in progress carries on exactly. Partial sums
+  for another number of replicas are summed first.
+  """
+  n = layout.replicas
+
+  def convert(a: jax.Array, p: Any) -> jax.Array:
+    sharding = getattr(a, "sharding", None)
+    if _stacked(a, p):
+      spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
+      if a.shape[0] == n and spec and _axes(spec[0]) == layout.axes:
+        return a
+      a = jnp.sum(a, axis=0, dtype=a.dtype)
+      sharding = None
+    rest: tuple[Any, ...] = ()
+    if isinstance(sharding, NamedSharding) and sharding.mesh == layout.mesh:
+      rest = tuple(sharding.spec)
+    target = NamedSharding(layout.mesh, layout.spec(*rest))
+    return jax.jit(
+      lambda a: jnp.zeros((n, *a.shape), a.dtype).at[0].set(a), out_shardings=target
+    )(a)
+
+  return jax.tree.map(convert, acc, params)
+
+
+def summed(acc: Any, params: Any) -> Any:
+  """``acc`` with per-replica partial sums (see :func:`per_replica`) added up."""
+  return jax.tree.map(
+    lambda a, p: jnp.sum(a, axis=0, dtype=a.dtype) if _stacked(a, p) else a,
+    acc,
+    params,
+  )
+
+
+def has_partial_sums(acc: Any, params: Any) -> bool:
+  """Whether ``acc`` holds per-replica partial sums."""
+  return any(
+    _stacked(a, p)
+    for a, p in zip(jax.tree.leaves(acc), jax.tree.leaves(params), strict=False)
+  )
