@@ -31,6 +31,7 @@ typecheck: $(STAMP)
 ## bench: side-by-side timings and XLA cost/memory analysis (a few minutes).
 bench: $(STAMP)
 	$(PY) -m benchmarks.accumulation $(ARGS)
+	$(PY) -m benchmarks.data_parallel
 
 ## notebooks: re-execute the notebooks in place, so their committed outputs are current.
 notebooks: $(STAMP)

@@ -37,3 +37,20 @@ def test_a_variant_faster_than_its_bound_is_reported():
   assert accumulation.bounds_violated(results) == [
     "stream 9.000 ms < 0.97 x limit 10.000 ms"
   ]
+
+
+def test_data_parallel_benchmark_counts_one_reduction_per_window(tmp_path):
+  """On the 8 test devices: the bytes reduced per window, from the HLO."""
+  from benchmarks import data_parallel
+
+  options = ["--ks", "1", "4", "--repeats", "1", "--windows", "1", "--width", "64"]
+  rows = data_parallel.main([*options, "--machine", "smoke", "--out", str(tmp_path)])
+  ratio = {
+    (row["recipe"], row["k"]): row["bytes_per_window"] / row["params_bytes"]
+    for row in rows
+  }
+  for recipe in data_parallel.RECIPES:
+    once = "axis_name" in recipe and (recipe.startswith("jit") or "scan" in recipe)
+    assert round(ratio[recipe, 4], 1) == (1.0 if once else 4.0), (recipe, ratio)
+    assert round(ratio[recipe, 1], 1) == 1.0, (recipe, ratio)
+  assert (tmp_path / "smoke-data-parallel.md").stat().st_size > 0
