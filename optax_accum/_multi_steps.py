@@ -47,7 +47,10 @@ class MultiStepsState(NamedTuple):
     acc_grads: Like params, in the accumulator dtype. The window's running sum
       of ``weight * grad`` (``grad_reduction="mean"``) or of ``grad``
       (``"sum"``). While ``mini_step`` is 0 it counts as zeros, whatever it
-      holds: ``make_train_step`` leaves the last window's sum there.
+      holds: ``make_train_step`` leaves the last window's sum there. Under
+      plain ``jit`` with ``axis_name``, ``make_train_step`` keeps each
+      replica's partial sum instead, with a leading axis of replicas (it
+      accepts either layout, and a checkpoint of either resumes exactly).
     acc_weight: float ``[]``, the accumulator's widest dtype. The window's
       running sum of weights.
     acc_loss: Like ``acc_weight``. The window's running sum of

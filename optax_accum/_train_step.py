@@ -726,9 +726,17 @@ def make_train_step(
     mode: ``"stream"`` (default) or ``"scan"``.
     has_aux: Whether ``loss_fn`` returns auxiliary outputs.
     donate: Donate ``params`` and ``opt_state`` buffers to the step (default).
-    axis_name: For a step run inside ``shard_map`` or ``pmap``: the
-      data-parallel mesh axis to sum weights and gradients over (see
-      :class:`MultiSteps`). Not needed under ``jit`` with sharded arrays.
+    axis_name: The data-parallel mesh axis (or axes): each replica's loss is
+      over its own rows and the step sums weights and gradients over the
+      replicas. Inside ``shard_map`` or ``pmap`` it is required, and scan mode
+      sums the gradients once per window (streaming, once per micro-batch).
+      Under plain ``jit`` with a batch split over this axis it is optional:
+      with it the step runs its programs in a ``shard_map`` over the axis and
+      sums gradients once per window, in both modes (``opt_state.acc_grads``
+      then holds each replica's partial sum, with a leading axis of replicas;
+      ``aux`` gains a replica axis, after the micro-batch axis in scan mode);
+      without it XLA sums every micro-batch's gradient. Each replica's
+      ``loss_fn`` gets its own key, ``fold_in(key, replica)``.
 
   Returns:
     A :class:`TrainStep`.
