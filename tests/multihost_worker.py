@@ -1,8 +1,9 @@
 """One of the two processes that `test_multihost.py` starts.
 
-Usage: python multihost_worker.py PORT PROCESS_ID OUT.npz. Each process owns 2
-CPU devices and feeds only its own half of every micro-batch; process 0 writes
-the final params.
+Usage: python multihost_worker.py PORT PROCESS_ID OUT.npz [AXIS_NAME]. Each
+process owns 2 CPU devices and feeds only its own half of every micro-batch;
+process 0 writes the final params. With AXIS_NAME the step keeps per-replica
+partial sums and reduces once per window.
 """
 
 import sys
@@ -18,7 +19,7 @@ import optax_accum
 K, UPDATES = 2, 5
 
 
-def main(port: str, process_id: int, out: str) -> None:
+def main(port: str, process_id: int, out: str, axis_name: str | None) -> None:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
     coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id
@@ -42,7 +43,7 @@ def main(port: str, process_id: int, out: str) -> None:
   )
   opt = optax_accum.MultiSteps(toy_lm.adamw_with_schedule(), K)
   state = jax.jit(opt.init, out_shardings=replicated)(params)
-  step = optax_accum.make_train_step(toy_lm.mean_loss, opt)
+  step = optax_accum.make_train_step(toy_lm.mean_loss, opt, axis_name=axis_name)
   for update in range(UPDATES):
     batch = toy_lm.make_batch(seed=100 + update, batch=32)
     for micro_batch in toy_lm.split(batch, K):
@@ -58,4 +59,4 @@ def main(port: str, process_id: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+  main(sys.argv[1], int(sys.argv[2]), sys.argv[3], (sys.argv[4:] or [None])[0])

@@ -8,6 +8,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 import toy_lm
 
 WORKER = pathlib.Path(__file__).with_name("multihost_worker.py")
@@ -20,7 +21,8 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def test_two_processes_match_the_single_process_run(tmp_path):
+@pytest.mark.parametrize("axis_name", [None, "data"])
+def test_two_processes_match_the_single_process_run(tmp_path, axis_name):
   out = tmp_path / "params.npz"
   env = dict(
     os.environ,
@@ -30,7 +32,8 @@ def test_two_processes_match_the_single_process_run(tmp_path):
   port = _free_port()
   procs = [
     subprocess.Popen(
-      [sys.executable, str(WORKER), str(port), str(i), str(out)],
+      [sys.executable, str(WORKER), str(port), str(i), str(out)]
+      + ([axis_name] if axis_name else []),
       env=env,
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
