@@ -19,9 +19,10 @@ for any of them and blocks once at the end of the round. For each model and
    ``scan_limit``: a ``lax.scan`` of the gradient plus add over the window;
 6. ``whole``: the window's micro-batches at once, one step.
 
-Rounds are interleaved (each round runs every variant once) so machine noise
-hits all variants alike; medians with min and max. The script fails if a
-variant beats its lower bound by more than 3%: then the bound is wrong.
+Rounds are interleaved (each round runs every variant once, in a shuffled
+order) so machine noise hits all variants alike; medians with min and max.
+The script fails if a variant beats its lower bound by more than 3%: then the
+bound is wrong.
 FLOPs and bytes come from XLA's ``cost_analysis()``, memory from
 ``memory_analysis()``; both are deterministic. A second table gives the host
 time per call against the number of param leaves (10, 100, 1000). Results go
@@ -34,6 +35,7 @@ import argparse
 import json
 import pathlib
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -135,7 +137,7 @@ def _copy(tree: Any) -> Any:
 
 
 class _Rounds:
-  """Interleaved timing: every round runs every variant once, in turn.
+  """Interleaved timing: every round runs every variant once, in a shuffled order.
 
   A disturbance of the machine (another process, a noisy neighbour) then
   lands on all variants alike instead of on one variant's whole block of
@@ -152,8 +154,14 @@ class _Rounds:
     self.variants[name] = (loop, per)
 
   def run(self, repeats: int, warmup: int = 2) -> None:
+    order = random.Random(0)
     for round_ in range(warmup + repeats):
-      for name, (loop, per) in self.variants.items():
+      # A new order each round: no variant always follows the same one (a
+      # heavy predecessor can slow or warm up the next on a small CPU).
+      names = list(self.variants)
+      order.shuffle(names)
+      for name in names:
+        loop, per = self.variants[name]
         start = time.perf_counter()
         jax.block_until_ready(loop())  # The round's only block.
         elapsed = (time.perf_counter() - start) * 1e3 / per
