@@ -203,7 +203,7 @@ class TrainStep:
     self.accumulate_program = jax.jit(
       self._accumulate, donate_argnums=(1,) if donate else ()
     )
-    self._per_replica_programs: dict[DataLayout, tuple[Any, Any]] = {}
+    self._sharded_programs: dict[DataLayout, tuple[Any, Any]] = {}
     self._known: _Known | None = None
 
   def __call__(
@@ -349,11 +349,11 @@ class TrainStep:
     """The accumulate and update programs for one accumulator layout."""
     if layout is None:
       return self.accumulate_program, self.update_program
-    if layout not in self._per_replica_programs:
-      self._per_replica_programs[layout] = self._per_replica(layout)
-    return self._per_replica_programs[layout]
+    if layout not in self._sharded_programs:
+      self._sharded_programs[layout] = self._sharded_programs_for(layout)
+    return self._sharded_programs[layout]
 
-  def _per_replica(self, layout: DataLayout) -> tuple[Any, Any]:
+  def _sharded_programs_for(self, layout: DataLayout) -> tuple[Any, Any]:
     """The programs run in a ``shard_map`` over the data axes (see
     :mod:`optax_accum._replicas`): the accumulator's leading axis, the batch's
     rows and ``aux`` (a new replica axis) are split over them."""
