@@ -5,12 +5,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint typecheck notebooks bench clean
+.PHONY: demo test lint typecheck notebooks docs bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,notebooks]'
+	$(PY) -m pip install --quiet -e '.[test,notebooks,docs]'
 	touch $(STAMP)
 
 ## demo: the main job, a side-by-side run of whole batch vs accumulation.
@@ -28,6 +28,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
+## docs: the documentation site in docs/_build/html (warnings are errors).
+docs: $(STAMP)
+	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
+
 ## bench: side-by-side timings and XLA cost/memory analysis (a few minutes).
 bench: $(STAMP)
 	$(PY) -m benchmarks.accumulation $(ARGS)
@@ -37,4 +41,4 @@ notebooks: $(STAMP)
 	$(VENV)/bin/jupyter-execute --inplace notebooks/*.ipynb
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) docs/_build .pytest_cache .mypy_cache .ruff_cache .hypothesis
