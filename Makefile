@@ -22,8 +22,8 @@ test: lint typecheck
 	$(PY) -m pytest -n 2
 
 lint: $(STAMP)
-	$(PY) -m ruff check optax_accum tests benchmarks examples
-	$(PY) -m ruff format --check optax_accum tests benchmarks examples
+	$(PY) -m ruff check optax_accum tests benchmarks examples docs/conf.py
+	$(PY) -m ruff format --check optax_accum tests benchmarks examples docs/conf.py
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
