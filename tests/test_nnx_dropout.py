@@ -187,3 +187,20 @@ def test_the_same_rng_on_every_call_gives_stream_the_keys_of_scan():
   assert _rel(per_call, scan) > 1e-3
   other_rng = _train("stream", lambda call: jax.random.key(1))
   assert _rel(other_rng, scan) > 1e-3  # The key reaches the dropout.
+
+
+def test_reseeding_a_stream_the_dropout_does_not_draw_from_changes_nothing():
+  """The recipe's warning: with one seed, ``nnx.Rngs(0)``, dropout draws from
+  the ``default`` stream, so reseeding ``dropout`` leaves every micro-batch
+  the same mask; reseeding ``default`` gives each key its own."""
+  graphdef, params, rest = nnx.split(DropoutMLP(nnx.Rngs(0)), nnx.Param, ...)
+  x = _batches()[0]["x"]
+
+  def forward(stream, key):
+    model = nnx.merge(graphdef, params, rest, copy=True)
+    nnx.reseed(model, **{stream: key})
+    return model(x)
+
+  one, two = jax.random.key(1), jax.random.key(2)
+  np.testing.assert_array_equal(forward("dropout", one), forward("dropout", two))
+  assert not np.array_equal(forward("default", one), forward("default", two))
