@@ -5,12 +5,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint typecheck notebooks bench clean
+.PHONY: demo test lint typecheck notebooks docs bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,notebooks]'
+	$(PY) -m pip install --quiet -e '.[test,notebooks,docs]'
 	touch $(STAMP)
 
 ## demo: the main job, a side-by-side run of whole batch vs accumulation.
@@ -22,11 +22,15 @@ test: lint typecheck
 	$(PY) -m pytest -n 2
 
 lint: $(STAMP)
-	$(PY) -m ruff check optax_accum tests benchmarks examples
-	$(PY) -m ruff format --check optax_accum tests benchmarks examples
+	$(PY) -m ruff check optax_accum tests benchmarks examples docs/conf.py
+	$(PY) -m ruff format --check optax_accum tests benchmarks examples docs/conf.py
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
+
+## docs: the documentation site in docs/_build/html (warnings are errors).
+docs: $(STAMP)
+	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
 
 ## bench: side-by-side timings and XLA cost/memory analysis (a few minutes).
 bench: $(STAMP)
@@ -38,4 +42,4 @@ notebooks: $(STAMP)
 	$(VENV)/bin/jupyter-execute --inplace notebooks/*.ipynb
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) docs/_build .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -277,10 +277,10 @@ def plan_micro_batches(
     optimizer: The inner optax optimizer (wrapped as ``MultiSteps(optimizer,
       every_k_schedule=k)``), or ``k -> MultiSteps`` for other ``MultiSteps``
       options (an accumulator dtype, ``on_nonfinite``).
-    params: Arrays or ``jax.ShapeDtypeStruct``s; shardings are kept (a
+    params: Arrays or ``jax.ShapeDtypeStruct`` objects; shardings are kept (a
       committed array's, or a struct's ``sharding``).
-    batch: A tree of arrays or ``jax.ShapeDtypeStruct``s with a leading row
-      axis; only each row's shape and dtype and each leaf's sharding matter.
+    batch: A tree of arrays or ``jax.ShapeDtypeStruct`` objects with a leading
+      row axis; only each row's shape and dtype and each leaf's sharding matter.
     global_batch: Rows per optimizer update; default the batch's leading size.
     memory_budget: Bytes per device. Default: the smallest ``bytes_limit`` in
       ``device.memory_stats()`` of the devices used, less ``headroom``; a

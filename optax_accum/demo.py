@@ -12,8 +12,9 @@ number of AdamW updates:
 3. ``optax_accum`` token-weighted, through ``make_train_step``.
 
 It prints the first window's gradient error, the final loss and the params'
-distance from the reference, and writes the loss and learning-rate curves to
-``--out``.
+distance from the reference, and writes to ``--out`` the loss curves, each
+run's distance from the reference after every update (log scale) and the
+learning rate.
 """
 
 from __future__ import annotations
@@ -127,8 +128,11 @@ def train(
   k: int,
   adamw: Any,
   progress: Callable[[], Any],
+  reference: Sequence[Any] | None = None,
 ) -> dict[str, Any]:
-  """One run; returns final params, per-update losses and learning rates."""
+  """One run; returns final params, and per update the loss, the learning rate,
+  the params and their distance from ``reference`` (the whole batch's params
+  after the same update; ``reference=None`` is the whole-batch run itself)."""
   copy = jax.tree.map(jnp.copy, params)
   if name == "optax_accum":
     opt = optax_accum.MultiSteps(adamw, k)
@@ -147,17 +151,28 @@ def train(
       return optax.apply_updates(p, updates), s, None
 
   evaluate = jax.jit(loss_fn)
-  state, losses, lrs = opt.init(copy), [], []
-  for batch in batches:
+  state, losses, lrs, trajectory, distances = opt.init(copy), [], [], [], []
+  for update, batch in enumerate(batches):
     for micro_batch in [batch] if name == "whole batch" else _micro(batch, k):
       copy, state, _ = micro_step(copy, state, micro_batch)
     losses.append(float(evaluate(copy, batch)[0]))  # The whole batch, after the update.
     progress()
     lrs.append(float(optax_accum.get_hyperparams(state)["learning_rate"]))
-  return {"params": copy, "losses": losses, "lrs": lrs}
+    if reference is None:
+      trajectory.append(copy)  # Not donated: the whole-batch step returns new arrays.
+      distances.append(0.0)
+    else:
+      distances.append(_rel(copy, reference[update]))
+  return {
+    "params": copy,
+    "losses": losses,
+    "lrs": lrs,
+    "trajectory": trajectory,
+    "distances": distances,
+  }
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
+def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument(
     "--steps", type=int, default=60, help="optimizer updates (default 60)"
@@ -215,12 +230,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
     bar = tqdm(total=len(names) * args.steps, desc="training", unit="update")
   except ImportError:  # The progress bar is optional.
     bar = None
-  runs = {}
+  runs: dict[str, dict[str, Any]] = {}
   for name in names:
     if bar is not None:
       bar.set_postfix_str(name)
     tick = bar.update if bar is not None else (lambda: None)
-    runs[name] = train(name, loss_fn, params, batches, args.k, adamw, tick)
+    whole = runs["whole batch"]["trajectory"] if runs else None
+    runs[name] = train(name, loss_fn, params, batches, args.k, adamw, tick, whole)
   if bar is not None:
     bar.close()
 
@@ -228,12 +244,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
   print(f"\n{args.steps} AdamW updates of {BATCH} sequences, k={args.k} micro-batches")
   columns = ("first-window grad error", "final loss", "params diff")
   print(f"\n{'run':<18} {columns[0]:>24} {columns[1]:>11} {columns[2]:>12}")
-  results = {}
+  results: dict[str, dict[str, Any]] = {}
   for name, run in runs.items():
     r = results[name] = {
       "grad_error": grad_errors[name],
       "final_loss": run["losses"][-1],
       "params_diff": _rel(run["params"], reference["params"]),
+      "distances": run["distances"],  # The same, after every update.
     }
     numbers = (
       f"{r['grad_error']:>24.2e} {r['final_loss']:>11.4f} {r['params_diff']:>12.2e}"
@@ -253,15 +270,27 @@ def _plot(runs: dict[str, dict[str, Any]], out: pathlib.Path) -> None:
   except ImportError:
     print("matplotlib is not installed: no plot")
     return
-  fig, (ax_loss, ax_lr) = plt.subplots(1, 2, figsize=(10, 3.4))
-  for name, run in runs.items():
+  fig, (ax_loss, ax_distance, ax_lr) = plt.subplots(1, 3, figsize=(15, 3.6))
+  updates = np.arange(1, len(runs["whole batch"]["losses"]) + 1)
+  for color, (name, run) in enumerate(runs.items()):
+    style = {"color": f"C{color}", "label": name}
     ax_loss.plot(
-      run["losses"], label=name, linestyle="--" if name == "optax_accum" else "-"
+      updates, run["losses"], linestyle="--" if name == "optax_accum" else "-", **style
     )
+    if name != "whole batch":  # Its own distance is 0, off a log scale.
+      distances = np.asarray(run["distances"])
+      # An update that happens to land exactly on the whole batch's params is
+      # left out rather than drawn at some arbitrary floor.
+      ax_distance.plot(updates, np.where(distances > 0, distances, np.nan), **style)
   ax_loss.set_xlabel("update")
   ax_loss.set_ylabel("batch token-mean loss")
   ax_loss.legend()
-  ax_lr.plot(runs["optax_accum"]["lrs"])
+  ax_distance.set_yscale("log")
+  ax_distance.set_xlabel("update")
+  ax_distance.set_ylabel("||params - whole|| / ||whole||")
+  ax_distance.set_title("distance from the whole-batch run", fontsize=10)
+  ax_distance.legend()
+  ax_lr.plot(updates, runs["optax_accum"]["lrs"], color="C2")
   ax_lr.set_xlabel("update")
   ax_lr.set_ylabel("learning rate")
   fig.tight_layout()
