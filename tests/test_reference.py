@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 import optax_accum
 
 #: Examples in CI, spread over the paths (about 1 s of CPU each).
-DEFAULT_EXAMPLES = 65
+DEFAULT_EXAMPLES = 70
 EXAMPLES = int(os.environ.get("OPTAX_ACCUM_REFERENCE_EXAMPLES", DEFAULT_EXAMPLES))
 AUTO = jax.sharding.AxisType.Auto
 # Path name -> (replicas, uses make_train_step).
@@ -55,6 +55,7 @@ PATHS = {
   "shard_map_scan": (None, True),
   "pmap": (None, True),
   "jit_sharded": (1, True),
+  "jit_axis_name": (None, True),
 }
 
 
@@ -470,6 +471,39 @@ def _run_jit_sharded(config, plan, rng, key):
   return params0, observed
 
 
+def _run_jit_axis_name(config, plan, rng, key):
+  """Plain jit, one row per replica sharded over the data axis, with
+  ``axis_name``: the step keeps per-replica partial sums (streaming), or sums
+  after its loop (scan mode)."""
+  opt = _optimizer(config)
+  mesh = _mesh(config.replicas)
+  params = jax.device_put(_params(config, rng), NamedSharding(mesh, P()))
+  params0 = jax.tree.map(_seen, params)
+  step = _train_step(config, opt, axis_name="data")
+  scan = _train_step(config, opt, mode="scan", axis_name="data")
+  state = opt.init(params)
+  observed = []
+  for mbs, is_scan in plan:
+    if is_scan:
+      batch = _stack([_batch(config, mb) for mb in mbs])
+      batch = jax.device_put(batch, NamedSharding(mesh, P(None, "data")))
+      params, state, metrics = scan(params, state, batch, key)
+    else:
+      batch = jax.device_put(_batch(config, mbs[0]), NamedSharding(mesh, P("data")))
+      end = _bool(mbs[0].end_window, rng)
+      params, state, metrics = step(params, state, batch, key, end_window=end)
+    keys = metrics.pop("aux", None)
+    # The state holds each replica's partial sum: compare the window's sum.
+    summed = jax.tree.map(lambda a: np.asarray(a).sum(0), state.acc_grads)
+    observed.append(
+      _observe(state._replace(acc_grads=summed), params=params, metrics=metrics)
+    )
+    if keys is not None:  # Replica axis leading (after the micro-batch axis).
+      keys = np.asarray(keys)
+      observed[-1]["replica_keys"] = np.moveaxis(keys, 1, 0) if is_scan else keys
+  return params0, observed
+
+
 RUNNERS = {
   "update_eager": functools.partial(_run_update, jit=False),
   "update_jit": functools.partial(_run_update, jit=True),
@@ -484,6 +518,7 @@ RUNNERS = {
   "shard_map_scan": functools.partial(_run_replicated, how="shard_map_scan"),
   "pmap": functools.partial(_run_replicated, how="pmap"),
   "jit_sharded": _run_jit_sharded,
+  "jit_axis_name": _run_jit_axis_name,
 }
 
 
@@ -509,7 +544,7 @@ def _plan(path, stream, rng):
       plan.append((stream[start : start + size], True))
       start += size
     return plan
-  if path == "scan_joined":  # Streamed micro-batches, then a scan window, again.
+  if path in ("scan_joined", "jit_axis_name"):  # Streamed, then a scan window...
     plan, start, is_scan = [], 0, False
     while start < len(stream):
       size = min(len(stream) - start, int(rng.integers(1, 4)))
