@@ -2,7 +2,12 @@
 
 from optax_accum._audit import AuditReport, Verdict, audit
 from optax_accum._batching import causal_lm_target_mask, split_micro_batches
-from optax_accum._inspect import get_hyperparams, get_update_count
+from optax_accum._inspect import (
+  get_hyperparams,
+  get_last_window,
+  get_update_count,
+  schedule_free_eval_params,
+)
 from optax_accum._multi_steps import (
   WINDOW_MICRO_STEPS,
   WINDOW_WEIGHT,
@@ -30,9 +35,11 @@ __all__ = (
   "audit",
   "causal_lm_target_mask",
   "get_hyperparams",
+  "get_last_window",
   "get_update_count",
   "make_train_step",
   "plan_micro_batches",
   "progress_schedule",
+  "schedule_free_eval_params",
   "split_micro_batches",
 )

@@ -21,7 +21,7 @@ from optax_accum._collectives import (
   varying_over,
 )
 
-GradReduction = Literal["mean", "sum"]
+GradReduction = Literal["mean", "sum", "window_mean"]
 NonFinitePolicy = Literal["skip_window", "skip_micro_batch"]
 EveryKSchedule = int | Callable[[jax.Array], ArrayLike]
 ShouldSkipUpdateFn = Callable[..., tuple[ArrayLike, Any]]
@@ -70,6 +70,12 @@ class MultiStepsState(NamedTuple):
       micro-batch the key ``jax.random.fold_in(rng, n)`` with this count, so
       no two micro-batches of a run share a key (for the first ``2**31 - 1``).
       A state built by hand without it starts at 0.
+    last_window_loss: Like ``acc_weight``. The loss of the window that ended
+      last (:meth:`MultiSteps.window_loss` at its end), whether or not it
+      applied an update: readable after the update, when ``acc_loss`` is
+      already reset. 0 before the first window ends, or without ``loss=``.
+    last_window_weight: Like ``acc_weight``. That window's total weight.
+      A state built by hand (or restored) without these two starts at 0.
   """
 
   mini_step: jax.Array
@@ -83,6 +89,8 @@ class MultiStepsState(NamedTuple):
   skipped_windows: jax.Array
   skip_state: Any = ()
   micro_batches_seen: ArrayLike = np.int32(0)
+  last_window_loss: ArrayLike = np.float32(0)
+  last_window_weight: ArrayLike = np.float32(0)
 
 
 def _validated_every_k(
@@ -118,6 +126,11 @@ def _wider(a: Any, b: Any) -> Any:
 
 def _count_if(flag: jax.Array, counter: jax.Array) -> jax.Array:
   return jnp.where(flag, optax.safe_increment(counter), counter)
+
+
+def _kept_unless(ends: jax.Array, new: jax.Array, old: ArrayLike) -> jax.Array:
+  """``new`` if ``ends`` else ``old`` (cast to ``new``'s dtype)."""
+  return jnp.where(ends, new, jnp.asarray(old).astype(new.dtype))
 
 
 def _varying_like(x: ArrayLike, aval: Any) -> jax.Array:
@@ -204,7 +217,8 @@ class MultiSteps:
       of the update count (int32 ``[]``) returning one (cast to int32). A
       value below 1 returned at run time is treated as 1.
     use_grad_mean: If ``True`` (default) the emitted gradient is divided by
-      the window's total weight; otherwise it is the weighted sum.
+      the window's total weight; otherwise it is the weighted sum. No effect
+      with ``grad_reduction="window_mean"``, whose sum is already the mean.
     should_skip_update_fn: Optional ``fn(updates, gradient_step, params) ->
       (skip, skip_state)`` as in optax; a skipped micro-batch is as if it never
       happened (only ``skip_state`` changes), except that ``end_window=True``
@@ -215,6 +229,12 @@ class MultiSteps:
       and ``weight * grad`` stay float32, and each add rounds once.
     grad_reduction: How the caller reduced each micro-batch's loss over its
       items: ``"mean"`` (default) or ``"sum"``. ``"sum"`` requires ``weight``.
+      ``"window_mean"``: summed, then divided by the whole window's item
+      count, known before the window starts (Hugging Face's
+      ``num_items_in_batch``), so the micro-batches' losses and gradients add
+      up to the window's mean: they are summed as they are, and ``weight``
+      (optional, default 1) only counts items for the state, the metrics and
+      ``window_weight``. :meth:`window_loss` is then the sum of the losses.
     axis_name: Inside ``shard_map`` or ``pmap``: the data-parallel mesh axis
       (or axes) to sum weights, weighted gradients and losses over, so each
       window's gradient is the token mean over all replicas. Not needed under
@@ -260,9 +280,10 @@ class MultiSteps:
       raise ValueError(
         f"`opt` must be an optax.GradientTransformation, got {type(opt).__name__}."
       )
-    if grad_reduction not in ("mean", "sum"):
+    if grad_reduction not in ("mean", "sum", "window_mean"):
       raise ValueError(
-        f"`grad_reduction` must be 'mean' or 'sum', got {grad_reduction!r}."
+        "`grad_reduction` must be 'mean', 'sum' or 'window_mean', got "
+        f"{grad_reduction!r}."
       )
     if on_nonfinite not in ("skip_window", "skip_micro_batch"):
       raise ValueError(
@@ -281,7 +302,8 @@ class MultiSteps:
     self._opt = optax.with_extra_args_support(opt)
     self._every_k_schedule = _validated_every_k(every_k_schedule)
     self._constant_k = None if callable(every_k_schedule) else int(every_k_schedule)
-    self._use_grad_mean = bool(use_grad_mean)
+    # A window_mean window's sum is its mean already.
+    self._use_grad_mean = bool(use_grad_mean) and grad_reduction != "window_mean"
     self._should_skip_update_fn = should_skip_update_fn
     self._accumulator_dtype = (
       None if accumulator_dtype is None else jnp.dtype(accumulator_dtype)
@@ -324,8 +346,34 @@ class MultiSteps:
 
   @property
   def grad_reduction(self) -> GradReduction:
-    """How the caller reduces each micro-batch's loss: ``"mean"`` or ``"sum"``."""
+    """How the caller reduces each micro-batch's loss: ``"mean"``, ``"sum"``
+    or ``"window_mean"``."""
     return self._grad_reduction
+
+  def window_loss(self, state: MultiStepsState) -> jax.Array:
+    """The loss of the window so far, from the ``loss=`` of its micro-batches.
+
+    ``acc_loss / acc_weight``, the token mean (0 while the window has no
+    weight); with ``grad_reduction="window_mean"``, ``acc_loss`` itself (the
+    sum of the shares so far: the window's mean once it is complete). For the
+    window that ended last, read ``state.last_window_loss``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, optax_accum
+      >>> opt = optax_accum.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+      >>> state = opt.init(jnp.zeros(()))
+      >>> _, state = opt.update(jnp.array(1.0), state, weight=1, loss=4.0)
+      >>> float(opt.window_loss(state))
+      4.0
+      >>> _, state = opt.update(jnp.array(1.0), state, weight=3, loss=2.0)
+      >>> float(opt.window_loss(state)), float(state.last_window_loss)
+      (0.0, 2.5)
+    """
+    if self._grad_reduction == "window_mean":
+      return jnp.asarray(state.acc_loss)
+    positive = state.acc_weight > 0
+    weight = jnp.where(positive, state.acc_weight, jnp.ones_like(state.acc_weight))
+    return jnp.where(positive, state.acc_loss / weight, jnp.zeros_like(weight))
 
   def _acc_dtype(self, dtype: Any) -> Any:
     if self._accumulator_dtype is not None:
@@ -366,6 +414,8 @@ class MultiSteps:
       skipped_windows=jnp.zeros([], jnp.int32),
       skip_state=skip_state,
       micro_batches_seen=jnp.zeros([], jnp.int32),
+      last_window_loss=jnp.zeros([], weight_dtype),
+      last_window_weight=jnp.zeros([], weight_dtype),
     )
 
   def update(
@@ -390,17 +440,26 @@ class MultiSteps:
       end_window: Optional bool scalar, traced or not: end the window with this
         micro-batch even if it holds fewer than ``k`` micro-batches.
       loss: Optional loss of the micro-batch, reduced like its gradient; the
-        state's ``acc_loss`` then sums it into the window's loss.
+        state's ``acc_loss`` then sums it into the window's loss, the inner
+        optimizer gets that loss (:meth:`window_loss`) as the extra argument
+        ``value`` (what ``optax.contrib.reduce_on_plateau`` reads) unless it
+        refuses it, and ``last_window_loss`` keeps it after the window ends.
       **extra_args: Forwarded to the inner optimizer's update.
 
     Returns:
       The inner optimizer's updates on the call that ends a window with
       positive weight, exact zeros on every other call; and the new state.
     """
+    if loss is not None and "value" in extra_args:
+      raise ValueError(
+        "Pass `loss=` or `value=`, not both: with `loss=` the inner optimizer "
+        "(optax.contrib.reduce_on_plateau) gets the window's loss as `value`."
+      )
     added, counted = self.add(updates, state, params, weight=weight, loss=loss)
+    optional_args = None if loss is None else {"value": self.window_loss(added)}
     ends = self.window_ends(added, counted, end_window)
     new_updates, new_state, _ = self.close(
-      added, ends, params, grads_like=updates, **extra_args
+      added, ends, params, grads_like=updates, optional_args=optional_args, **extra_args
     )
     return new_updates, new_state
 
@@ -776,6 +835,10 @@ class MultiSteps:
       acc_loss=reset(added.acc_loss),
       updated=applies,
       skipped_windows=_count_if(nonfinite, added.skipped_windows),
+      last_window_loss=_kept_unless(
+        ends, self.window_loss(added), added.last_window_loss
+      ),
+      last_window_weight=_kept_unless(ends, acc_weight, added.last_window_weight),
     )
     return new_updates, new_state, grad_norm
 

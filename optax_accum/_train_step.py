@@ -19,8 +19,8 @@ from optax_accum._collectives import (
   replica_index,
   varying_over,
 )
-from optax_accum._inspect import get_hyperparams
-from optax_accum._multi_steps import MultiSteps, MultiStepsState
+from optax_accum._inspect import find_states, get_hyperparams
+from optax_accum._multi_steps import EveryKSchedule, MultiSteps, MultiStepsState
 from optax_accum._replicas import (
   DataLayout,
   data_layout,
@@ -36,19 +36,6 @@ StepOutput = tuple[optax.Params, MultiStepsState, Metrics]
 
 def _is_traced(*trees: Any) -> bool:
   return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
-
-
-def _window_loss(state: MultiStepsState) -> jax.Array:
-  """The window's token-mean loss so far (0 for a window without weight)."""
-  positive = state.acc_weight > 0
-  return jnp.where(
-    positive, state.acc_loss / jnp.where(positive, state.acc_weight, 1), 0
-  )
-
-
-def _value(state: MultiStepsState) -> dict[str, jax.Array]:
-  """The window's loss as optax's ``value`` extra argument (reduce_on_plateau)."""
-  return {"value": _window_loss(state)}
 
 
 def _host_int(x: jax.Array) -> int:
@@ -217,8 +204,8 @@ class TrainStep:
   ) -> StepOutput:
     if not isinstance(opt_state, MultiStepsState):
       raise ValueError(
-        "`opt_state` must come from optimizer.init(params) of the optax_accum."
-        "MultiSteps given to make_train_step, got "
+        "`opt_state` must come from step.init(params) (or optimizer.init(params) "
+        "of the optax_accum.MultiSteps given to make_train_step), got "
         f"{type(opt_state).__module__}.{type(opt_state).__qualname__}."
       )
     if self.mode == "scan":
@@ -293,6 +280,20 @@ class TrainStep:
       layout=layout,
     )
     return params, opt_state, metrics
+
+  def init(self, params: optax.Params) -> MultiStepsState:
+    """The optimizer state to start a run from: ``self.optimizer.init(params)``.
+
+    Raises ``ValueError`` where the optimizer accumulates twice (an
+    ``optax.MultiSteps`` inside the one the step wraps a plain optimizer in).
+    """
+    state = self.optimizer.init(params)
+    if find_states(state.inner_opt_state, (MultiStepsState, optax.MultiStepsState)):
+      raise ValueError(
+        "The optimizer already accumulates (a MultiSteps inside it): pass the "
+        "accumulator itself, an optax_accum.MultiSteps, to make_train_step."
+      )
+    return state
 
   def lower(
     self,
@@ -511,7 +512,12 @@ class TrainStep:
   ) -> Metrics:
     grad_norm = jnp.asarray(grad_norm, jnp.float32)
     metrics = _metrics(
-      added, new_state, _window_loss(added), grad_norm, aux, _learning_rate(new_state)
+      added,
+      new_state,
+      self.optimizer.window_loss(added),
+      grad_norm,
+      aux,
+      _learning_rate(new_state),
     )
     if not self.has_aux:
       del metrics["aux"]
@@ -532,7 +538,7 @@ class TrainStep:
     added, _ = self.optimizer.add(
       grads, state, params, weight=weight, loss=value, reduce_gradient=not partial
     )
-    loss, grad_norm = _window_loss(added), jnp.zeros([], jnp.float32)
+    loss, grad_norm = self.optimizer.window_loss(added), jnp.zeros([], jnp.float32)
     return added.acc_grads, _counters(added), loss, grad_norm, aux
 
   def _update(
@@ -631,7 +637,8 @@ class TrainStep:
       ends,
       params,
       grads_like=grads_like,
-      optional_args=_value(added),
+      # The window's loss as optax's `value` (optax.contrib.reduce_on_plateau).
+      optional_args={"value": self.optimizer.window_loss(added)},
       apply_to=params,
       branchless=True,
       empty_accumulator=False,
@@ -646,17 +653,18 @@ class TrainStep:
     )
 
 
-def _learning_rate(state: MultiStepsState) -> jax.Array | None:
+def _learning_rate(state: MultiStepsState) -> Any:
+  """The injected learning rate, a dict of them by group, or ``None``."""
   try:
     return get_hyperparams(state).get("learning_rate")
   except ValueError:  # No injected hyperparameters.
     return None
 
 
-def _copied_learning_rate(state: MultiStepsState) -> jax.Array | None:
-  """The state's learning rate in a buffer of its own (the state's is donated)."""
-  learning_rate = _learning_rate(state)
-  return None if learning_rate is None else jnp.copy(learning_rate)
+def _copied_learning_rate(state: MultiStepsState) -> Any:
+  """The state's learning rate(s) in buffers of their own (the state's are
+  donated)."""
+  return jax.tree.map(jnp.copy, _learning_rate(state))
 
 
 def _metrics(
@@ -684,18 +692,58 @@ def _metrics(
   return metrics
 
 
+def _accumulator(
+  optimizer: Any, mode: Mode, every_k_schedule: EveryKSchedule | None
+) -> MultiSteps:
+  """``optimizer`` as the :class:`MultiSteps` a train step runs."""
+  if isinstance(optimizer, MultiSteps):
+    if every_k_schedule is not None:
+      raise ValueError(
+        "`every_k_schedule` is for a plain optax optimizer: this "
+        "optax_accum.MultiSteps has its own."
+      )
+    return optimizer
+  if not isinstance(optimizer, optax.GradientTransformation):
+    raise ValueError(
+      "`optimizer` must be an optax_accum.MultiSteps or an optax "
+      "GradientTransformation, got "
+      f"{type(optimizer).__module__.partition('.')[0]}."
+      f"{type(optimizer).__qualname__}: wrap your optimizer `opt` as optax_accum."
+      "MultiSteps(opt, every_k_schedule=k) (it takes optax.MultiSteps' "
+      "arguments, so it replaces one as it is)."
+    )
+  if mode == "scan":
+    if every_k_schedule is not None:
+      raise ValueError(
+        "`every_k_schedule` has no effect in scan mode: the batch's leading "
+        "micro-batch axis is the window."
+      )
+    every_k_schedule = 1  # Never read: every scan-mode call ends its window.
+  elif every_k_schedule is None:
+    raise ValueError(
+      "`optimizer` must be an optax_accum.MultiSteps in streaming mode unless "
+      "`every_k_schedule=` says how many micro-batches make a window; got "
+      f"{type(optimizer).__qualname__} and no every_k_schedule. Pass "
+      "every_k_schedule=k, or use mode='scan', where the batch's leading axis "
+      "is the window."
+    )
+  return MultiSteps(optimizer, every_k_schedule)
+
+
 def make_train_step(
   loss_fn: Callable[..., Any],
-  optimizer: MultiSteps,
+  optimizer: MultiSteps | optax.GradientTransformation,
   *,
   mode: Mode = "stream",
   has_aux: bool = False,
   donate: bool = True,
   axis_name: AxisName | None = None,
+  every_k_schedule: EveryKSchedule | None = None,
 ) -> TrainStep:
   """Builds a jitted train step that accumulates and always applies its update.
 
-  ``step(params, opt_state, batch, rng=None) -> (params, opt_state, metrics)``
+  ``step(params, opt_state, batch, rng=None, *, end_window=False) -> (params,
+  opt_state, metrics)``
   is the only function a training loop needs: every call applies the update
   it computes (zeros inside a window), so params cannot silently stop moving
   while the optimizer state advances (F7), and nothing but the optimizer state
@@ -709,12 +757,19 @@ def make_train_step(
     window; an unfinished streamed window in ``opt_state`` joins it.
 
   ``metrics`` holds ``loss`` (token-weighted mean loss of the window so far, or
-  of the window just completed), ``weight`` (its total weight),
-  ``micro_steps``, ``updated``, ``update_count``, ``grad_norm`` (global norm
-  of the gradient applied, 0 when none), the run's ``skipped_micro_batches``
-  and ``skipped_windows`` (see :class:`optax_accum.MultiStepsState`),
-  ``learning_rate`` when the optimizer injects one, and ``aux`` with
-  ``has_aux=True`` (stacked in scan mode).
+  of the window just completed: :meth:`MultiSteps.window_loss`), ``weight``
+  (its total weight), ``micro_steps``, ``updated``, ``update_count``,
+  ``grad_norm`` (global norm of the gradient applied, 0 when none), the run's
+  ``skipped_micro_batches`` and ``skipped_windows`` (see
+  :class:`optax_accum.MultiStepsState`), ``learning_rate`` when the optimizer
+  injects one (a dict by group label when several groups do: see
+  :func:`get_hyperparams`), and ``aux`` with ``has_aux=True`` (stacked in scan
+  mode).
+
+  ``optimizer`` can be a plain optax optimizer: in scan mode as it is, in
+  streaming mode with ``every_k_schedule=``. The step then wraps it as
+  ``optax_accum.MultiSteps(optimizer, every_k_schedule)`` (``step.optimizer``)
+  and ``step.init(params)`` makes the state to start from.
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> (loss, weight)``, or ``(loss, (weight,
@@ -722,7 +777,8 @@ def make_train_step(
       called as ``loss_fn(params, batch, key)`` with a key per micro-batch.
       ``loss`` is reduced as the optimizer's ``grad_reduction`` says (mean or
       sum over the micro-batch's ``weight`` items).
-    optimizer: An :class:`optax_accum.MultiSteps`.
+    optimizer: An :class:`optax_accum.MultiSteps`, or a plain optax
+      ``GradientTransformation`` (see above).
     mode: ``"stream"`` (default) or ``"scan"``.
     has_aux: Whether ``loss_fn`` returns auxiliary outputs.
     donate: Donate ``params`` and ``opt_state`` buffers to the step (default).
@@ -737,12 +793,16 @@ def make_train_step(
       ``aux`` gains a replica axis, after the micro-batch axis in scan mode);
       without it XLA sums every micro-batch's gradient. Each replica's
       ``loss_fn`` gets its own key, ``fold_in(key, replica)``.
+    every_k_schedule: With a plain optax optimizer in streaming mode: the
+      micro-batches per window, as :class:`MultiSteps` takes it. An error
+      with a ``MultiSteps`` (it has its own) and in scan mode (the leading
+      axis is the window).
 
   Returns:
     A :class:`TrainStep`.
 
   Examples:
-    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> import jax, jax.numpy as jnp, optax, optax_accum
     >>> def loss_fn(params, batch):
     ...   n = batch["mask"].sum()
     ...   return (batch["mask"] * (params - batch["y"]) ** 2).sum() / n, n
@@ -756,15 +816,18 @@ def make_train_step(
     ...   params, state, metrics = step(params, state, batch)
     >>> float(params), float(metrics["loss"]), bool(metrics["updated"])
     (2.3333..., 6.3333..., True)
+
+    A plain optax optimizer in scan mode, a window of two micro-batches per
+    call:
+
+    >>> step = optax_accum.make_train_step(loss_fn, optax.sgd(0.5), mode="scan")
+    >>> params = jnp.zeros(())
+    >>> window = jax.tree.map(lambda *x: jnp.stack(x), *batches)
+    >>> params, state, metrics = step(params, step.init(params), window)
+    >>> float(params), int(metrics["update_count"])
+    (2.3333..., 1)
   """
-  if not isinstance(optimizer, MultiSteps):
-    raise ValueError(
-      "`optimizer` must be an optax_accum.MultiSteps, got "
-      f"{type(optimizer).__module__.partition('.')[0]}."
-      f"{type(optimizer).__qualname__}: wrap your optimizer `opt` as optax_accum."
-      "MultiSteps(opt, every_k_schedule=k) (it takes optax.MultiSteps' "
-      "arguments, so it replaces one as it is)."
-    )
+  optimizer = _accumulator(optimizer, mode, every_k_schedule)
   if axis_name is not None:
     if optimizer.axis_name not in (None, axis_name):
       raise ValueError(
