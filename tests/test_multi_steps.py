@@ -273,6 +273,76 @@ def test_inner_optimizer_receives_window_totals_and_extra_args():
   assert float(inner["value"]) == 2.0
 
 
+def test_loss_reaches_the_inner_optimizer_as_the_windows_value():
+  """`loss=` gives `value` the window's token-mean loss (reduce_on_plateau)."""
+  opt = optax_accum.MultiSteps(_recording(), 3)
+  state = opt.init(PARAMS)
+  for i, (w, loss) in enumerate([(5, 1.0), (0, 9.0), (3, 5.0)]):
+    _, state = opt.update(_grads(i), state, weight=w, loss=loss)
+  assert float(state.inner_opt_state["value"]) == (5 * 1.0 + 3 * 5.0) / 8
+  with pytest.raises(ValueError, match=r"Pass `loss=` or `value=`, not both"):
+    opt.update(_grads(0), state, weight=1, loss=1.0, value=1.0)
+
+
+def test_the_finished_windows_loss_and_weight_stay_readable():
+  opt = optax_accum.MultiSteps(optax.sgd(0.1), 2)
+  state = opt.init(PARAMS)
+  assert float(state.last_window_loss) == float(state.last_window_weight) == 0
+  windows = [[(2, 3.0), (6, 1.0)], [(1, 4.0), (1, 2.0)]]
+  for window in windows:
+    for i, (w, loss) in enumerate(window):
+      _, state = opt.update(_grads(i), state, PARAMS, weight=w, loss=loss)
+      if i == 0:  # Mid-window: still the previous window's.
+        kept = (float(state.last_window_loss), float(state.last_window_weight))
+    mean = sum(w * loss for w, loss in window) / sum(w for w, _ in window)
+    assert float(state.acc_loss) == float(state.acc_weight) == 0  # Reset.
+    assert float(state.last_window_loss) == pytest.approx(mean, rel=1e-6)
+    assert float(state.last_window_weight) == sum(w for w, _ in window)
+  assert kept == (1.5, 8.0)  # During window 2: window 1's (3*2 + 1*6) / 8.
+
+
+def test_a_state_saved_without_the_last_window_fields_restores():
+  """Checkpoints from before `last_window_*` (a state built from the first
+  fields) run on and fill them in, as `micro_batches_seen` did."""
+  opt = optax_accum.MultiSteps(optax.adamw(0.1), 2)
+  full = opt.init(PARAMS)
+  _, full = opt.update(_grads(0), full, PARAMS, weight=2, loss=1.0)
+  old = optax_accum.MultiStepsState(*full[:11])
+  step = jax.jit(functools.partial(opt.update, weight=2, loss=3.0))
+  out_old, old = step(_grads(1), old, PARAMS)
+  out_full, full = step(_grads(1), full, PARAMS)
+  chex.assert_trees_all_equal((out_old, old), (out_full, full))
+  assert float(old.last_window_loss) == 2.0 and float(old.last_window_weight) == 4
+
+
+def test_window_mean_sums_shares_of_the_windows_mean():
+  """grad_reduction="window_mean": each loss is summed over its items and divided
+  by the window's total (Hugging Face's num_items_in_batch)."""
+  weights = [1.0, 10.0, 3.0]
+  sums = [_grads(i) for i in range(3)]  # Gradients of each micro-batch's sum.
+  total = sum(weights)
+  expected = jax.tree.map(lambda *g: sum(g) / total, *sums)
+  for use_grad_mean in (True, False):  # No effect: the sum is the mean.
+    opt = optax_accum.MultiSteps(
+      optax.identity(), 3, use_grad_mean, grad_reduction="window_mean"
+    )
+    state = opt.init(PARAMS)
+    for g, w, loss_sum in zip(sums, weights, [2.0, 30.0, 6.0], strict=True):
+      share = jax.tree.map(lambda x: x / total, g)
+      out, state = opt.update(share, state, weight=w, loss=loss_sum / total)
+    chex.assert_trees_all_close(out, expected, rtol=1e-5, atol=1e-7)
+    assert float(state.last_window_loss) == pytest.approx(38 / 14, rel=1e-6)
+    assert float(state.last_window_weight) == total
+  assert opt.grad_reduction == "window_mean"
+  # Without weights it still works; the weight then counts micro-batches.
+  opt = optax_accum.MultiSteps(optax.identity(), 3, grad_reduction="window_mean")
+  state = opt.init(PARAMS)
+  for g in sums:
+    out, state = opt.update(jax.tree.map(lambda x: x / total, g), state)
+  chex.assert_trees_all_close(out, expected, rtol=1e-5, atol=1e-7)
+  assert float(state.last_window_weight) == 3
+
+
 def test_no_recompilation_across_windows():
   opt = optax_accum.MultiSteps(optax.adamw(0.1), 3)
 
@@ -491,10 +561,13 @@ def test_state_fields():
     "skipped_windows",
     "skip_state",
     "micro_batches_seen",
+    "last_window_loss",
+    "last_window_weight",
   )
   assert state.micro_batches_seen.dtype == jnp.int32
   assert state.mini_step.dtype == state.gradient_step.dtype == jnp.int32
   assert state.acc_weight.dtype == jnp.float32 and state.updated.dtype == jnp.bool_
+  assert state.last_window_loss.dtype == state.last_window_weight.dtype == jnp.float32
 
 
 @pytest.mark.parametrize(
@@ -507,7 +580,7 @@ def test_state_fields():
     ({"every_k_schedule": "4"}, r"`every_k_schedule` must be an int"),
     (
       {"every_k_schedule": 2, "grad_reduction": "avg"},
-      r"`grad_reduction` must be 'mean' or 'sum', got 'avg'",
+      r"`grad_reduction` must be 'mean', 'sum' or 'window_mean', got 'avg'",
     ),
     ({"every_k_schedule": 2, "use_grad_mean": 1}, r"`use_grad_mean` must be a bool"),
   ],

@@ -1,0 +1,535 @@
+"""Issue 18: the loops Flax Linen, Flax NNX and Equinox users write, each equal
+to whole-batch training (AdamW, several updates, float32, within 1e-5).
+
+One test (or a few) per item of the issue; the item number is in the name's
+docstring. Equinox tests are skipped without equinox (an optional test extra).
+"""
+
+import inspect
+import pathlib
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+
+import optax_accum
+import optax_accum.flax
+
+FEATURES, HIDDEN, CLASSES, K, UPDATES = 6, 16, 5, 4, 5
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def _batches(updates=UPDATES):
+  """Per-token features and labels; sequences of very different lengths."""
+  rng = np.random.default_rng(0)
+  batches = []
+  for _ in range(updates):
+    x = rng.normal(size=(16, 12, FEATURES)).astype(np.float32)
+    labels = rng.integers(0, CLASSES, size=(16, 12))
+    lengths = np.where(
+      rng.random(16) < 0.5, rng.integers(1, 3, 16), rng.integers(8, 13, 16)
+    )
+    mask = np.arange(12)[None, :] < lengths[:, None]
+    batches.append({"x": x, "labels": labels, "mask": mask})
+  return batches
+
+
+def _micro_batches(batch):
+  return [jax.tree.map(lambda x, i=i: x[i::K], batch) for i in range(K)]
+
+
+def _summed_ce(logits, batch):
+  """Cross-entropy summed over valid tokens, and their number."""
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+  mask = jnp.asarray(batch["mask"], ce.dtype)
+  return (ce * mask).sum(), mask.sum()
+
+
+def _token_mean_ce(logits, batch):
+  total, n = _summed_ce(logits, batch)
+  return total / n, n
+
+
+def _adamw():
+  return optax.adamw(1e-2, weight_decay=0.1)
+
+
+def _rel(a, b):
+  a, b = jax.tree.leaves(a), jax.tree.leaves(b)
+  diff = optax.tree.norm([x - y for x, y in zip(a, b, strict=True)])
+  return float(diff / optax.tree.norm(b))
+
+
+def _whole_batch(loss_fn, params, tx, batches, pass_value=False):
+  """Plain whole-batch training: one update per batch. Returns the params, the
+  optimizer state and the loss of each batch (at the params it was used with).
+  """
+
+  @jax.jit
+  def step(params, state, batch):
+    (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    extra = {"value": loss} if pass_value else {}
+    updates, state = tx.update(grads, state, params, **extra)
+    return optax.apply_updates(params, updates), state, loss
+
+  state, losses = tx.init(params), []
+  for batch in batches:
+    params, state, loss = step(params, state, batch)
+    losses.append(float(loss))
+  return params, state, losses
+
+
+# --- Models -------------------------------------------------------------------------
+
+
+class LinenMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(CLASSES)(jax.nn.tanh(nn.Dense(HIDDEN)(x)))
+
+
+class MLP(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.hidden = nnx.Linear(FEATURES, HIDDEN, rngs=rngs)
+    self.out = nnx.Linear(HIDDEN, CLASSES, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(jax.nn.tanh(self.hidden(x)))
+
+
+def _linen():
+  model = LinenMLP()
+  params = model.init(jax.random.key(0), _batches(1)[0]["x"])["params"]
+
+  def loss_fn(params, batch):
+    return _token_mean_ce(model.apply({"params": params}, batch["x"]), batch)
+
+  return model, params, loss_fn
+
+
+def _nnx_whole_batch(tx, batches, loss=_token_mean_ce, pass_value=False):
+  graphdef, params = nnx.split(MLP(nnx.Rngs(0)), nnx.Param)
+
+  def loss_fn(params, batch):
+    return loss(nnx.merge(graphdef, params)(batch["x"]), batch)
+
+  return _whole_batch(loss_fn, params, tx, batches, pass_value)
+
+
+# --- 1. Linen TrainState -----------------------------------------------------------
+
+
+def test_linen_train_state_apply_gradients_takes_weight():
+  """Item 1 (and 7): the standard Linen loop, with `weight=` and an update count."""
+  model, params, loss_fn = _linen()
+  batches = _batches()
+  whole, _, _ = _whole_batch(loss_fn, params, _adamw(), batches)
+
+  state = optax_accum.flax.TrainState.create(
+    apply_fn=model.apply, params=params, tx=optax_accum.MultiSteps(_adamw(), K)
+  )
+
+  @jax.jit
+  def train_step(state, batch):
+    def loss(params):
+      return _token_mean_ce(state.apply_fn({"params": params}, batch["x"]), batch)
+
+    grads, n = jax.grad(loss, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads, weight=n)
+
+  for batch in batches:
+    for micro_batch in _micro_batches(batch):
+      state = train_step(state, micro_batch)
+  assert _rel(state.params, whole) <= 1e-5
+  assert int(state.step) == UPDATES  # Updates, not K * UPDATES micro-batches.
+
+  # Control: Linen's own TrainState has no way to pass the weight, and gives
+  # the uniform mean of micro-batch means (what the docs warn about).
+  linen = train_state.TrainState.create(
+    apply_fn=model.apply, params=params, tx=optax_accum.MultiSteps(_adamw(), K)
+  )
+  for batch in batches:
+    for micro_batch in _micro_batches(batch):
+      grads, _ = jax.grad(loss_fn, has_aux=True)(linen.params, micro_batch)
+      linen = linen.apply_gradients(grads=grads)
+  assert _rel(linen.params, whole) > 1e-3
+  assert int(linen.step) == K * UPDATES
+
+
+def test_linen_train_state_refuses_what_would_be_silently_wrong():
+  """Item 1: no weight, or an accumulator that ignores it, is an error."""
+  model, params, loss_fn = _linen()
+  grads, _ = jax.grad(loss_fn, has_aux=True)(params, _batches(1)[0])
+  state = optax_accum.flax.TrainState.create(
+    apply_fn=model.apply, params=params, tx=optax_accum.MultiSteps(_adamw(), K)
+  )
+  with pytest.raises(ValueError, match=r"needs `weight=`.*pass weight=1"):
+    state.apply_gradients(grads=grads)
+  state.apply_gradients(grads=grads, weight=1)  # The uniform mean, asked for.
+  optax_state = optax_accum.flax.TrainState.create(
+    apply_fn=model.apply, params=params, tx=optax.MultiSteps(_adamw(), K)
+  )
+  with pytest.raises(ValueError, match=r"optax.MultiSteps, which ignores `weight`"):
+    optax_state.apply_gradients(grads=grads, weight=3)
+  plain = optax_accum.flax.TrainState.create(
+    apply_fn=model.apply, params=params, tx=_adamw()
+  )
+  with pytest.raises(ValueError, match=r"holds an optax_accum.MultiSteps"):
+    plain.apply_gradients(grads=grads, weight=3)
+
+
+# --- 2. The window's loss after the update (NNX, nnx.Optimizer) --------------------
+
+
+def test_nnx_optimizer_loop_reads_the_finished_windows_loss():
+  """Item 2: after the update, the window's loss and weight are still there."""
+  batches = _batches()
+  whole, _, whole_losses = _nnx_whole_batch(_adamw(), batches)
+
+  model = MLP(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax_accum.MultiSteps(_adamw(), K), wrt=nnx.Param)
+
+  @nnx.jit
+  def micro_step(model, optimizer, batch):
+    def loss_fn(model):
+      return _token_mean_ce(model(batch["x"]), batch)
+
+    (loss, n), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    optimizer.update(model, grads, weight=n, loss=loss)
+
+  for batch, whole_loss in zip(batches, whole_losses, strict=True):
+    for micro_batch in _micro_batches(batch):
+      micro_step(model, optimizer, micro_batch)
+    window = optax_accum.get_last_window(optimizer.opt_state)
+    np.testing.assert_allclose(float(window["loss"]), whole_loss, rtol=1e-5)
+    assert float(window["weight"]) == batch["mask"].sum()
+    assert float(optimizer.opt_state.acc_weight[...]) == 0  # Reset, as before.
+  assert _rel(nnx.state(model, nnx.Param), whole) <= 1e-5
+
+
+# --- 3. reduce_on_plateau gets the window's loss (Equinox) -------------------------
+
+
+def _equinox():
+  eqx = pytest.importorskip("equinox")
+  model = eqx.nn.MLP(
+    FEATURES, CLASSES, HIDDEN, depth=1, activation=jax.nn.tanh, key=jax.random.key(0)
+  )
+
+  def loss_fn(model, batch, loss=_token_mean_ce):
+    return loss(jax.vmap(jax.vmap(model))(batch["x"]), batch)
+
+  return eqx, model, loss_fn
+
+
+def test_equinox_loop_feeds_reduce_on_plateau_the_window_loss():
+  """Item 3: `update(..., loss=l)` gives reduce_on_plateau the window's loss."""
+  eqx, model, loss_fn = _equinox()
+  # rtol=0.5: no window improves enough, so the learning rate halves often.
+  plateau = optax.contrib.reduce_on_plateau(factor=0.5, patience=1, rtol=0.5)
+  tx = optax.chain(_adamw(), plateau)
+  params, static = eqx.partition(model, eqx.is_inexact_array)
+  batches = _batches()
+  whole, whole_state, _ = _whole_batch(
+    lambda p, b: loss_fn(eqx.combine(p, static), b), params, tx, batches, True
+  )
+
+  opt = optax_accum.MultiSteps(tx, K)
+  state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+
+  @eqx.filter_jit
+  def micro_step(model, state, batch):
+    (loss, n), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model, batch)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    updates, state = opt.update(grads, state, params, weight=n, loss=loss)
+    return eqx.apply_updates(model, updates), state
+
+  for batch in batches:
+    for micro_batch in _micro_batches(batch):
+      model, state = micro_step(model, state, micro_batch)
+  ours, theirs = state.inner_opt_state[1], whole_state[1]
+  assert float(theirs.scale) < 0.5  # The plateau logic did act.
+  assert float(ours.scale) == float(theirs.scale)
+  np.testing.assert_allclose(ours.best_value, theirs.best_value, rtol=1e-5)
+  assert _rel(eqx.filter(model, eqx.is_inexact_array), whole) <= 1e-5
+
+
+# --- 4. multi_transform learning rates, every group (Linen) ------------------------
+
+
+def test_linen_multi_transform_reports_every_groups_learning_rate():
+  """Item 4: two injected groups, both learning rates by label."""
+  model, params, loss_fn = _linen()
+  body_lr = optax.linear_schedule(1e-2, 1e-3, UPDATES)
+
+  def tx():
+    return optax.multi_transform(
+      {
+        "body": optax.inject_hyperparams(optax.adamw)(body_lr, weight_decay=0.1),
+        "head": optax.inject_hyperparams(optax.adamw)(3e-3, weight_decay=0.1),
+      },
+      {"Dense_0": "body", "Dense_1": "head"},
+    )
+
+  batches = _batches()
+  whole, _, _ = _whole_batch(loss_fn, params, tx(), batches)
+  state = optax_accum.flax.TrainState.create(
+    apply_fn=model.apply, params=params, tx=optax_accum.MultiSteps(tx(), K)
+  )
+  for update, batch in enumerate(batches):
+    for micro_batch in _micro_batches(batch):
+      grads, n = jax.grad(loss_fn, has_aux=True)(state.params, micro_batch)
+      state = state.apply_gradients(grads=grads, weight=n)
+    learning_rate = optax_accum.get_hyperparams(state.opt_state)["learning_rate"]
+    assert list(learning_rate) == ["body", "head"]
+    np.testing.assert_allclose(learning_rate["body"], body_lr(update), rtol=1e-6)
+    np.testing.assert_allclose(learning_rate["head"], 3e-3, rtol=1e-6)
+  assert _rel(state.params, whole) <= 1e-5
+
+  # The ready-made step's metrics say the same.
+  opt = optax_accum.MultiSteps(tx(), K)
+  step = optax_accum.make_train_step(loss_fn, opt, mode="scan")
+  _, _, metrics = step(
+    params, opt.init(params), optax_accum.split_micro_batches(batches[0], K)
+  )
+  assert set(metrics["learning_rate"]) == {"body", "head"}
+
+
+# --- 5. Hugging Face-style losses (NNX) --------------------------------------------
+
+
+def test_hugging_face_style_losses_with_window_mean():
+  """Item 5: losses summed and divided by the window's known token total."""
+  batches = _batches()
+  whole, _, whole_losses = _nnx_whole_batch(_adamw(), batches)
+
+  model = MLP(nnx.Rngs(0))
+  opt = optax_accum.MultiSteps(_adamw(), K, grad_reduction="window_mean")
+  optimizer = optax_accum.flax.Optimizer(model, opt, wrt=nnx.Param)
+
+  @nnx.jit
+  def micro_step(model, optimizer, batch, num_items_in_batch):
+    def loss_fn(model):
+      total, n = _summed_ce(model(batch["x"]), batch)
+      return total / num_items_in_batch, n
+
+    (loss, n), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    optimizer.update(model, grads, weight=n, loss=loss)
+
+  for batch, whole_loss in zip(batches, whole_losses, strict=True):
+    num_items_in_batch = batch["mask"].sum()  # Known before the window starts.
+    for micro_batch in _micro_batches(batch):
+      micro_step(model, optimizer, micro_batch, num_items_in_batch)
+    window = optax_accum.get_last_window(optimizer.opt_state)
+    np.testing.assert_allclose(float(window["loss"]), whole_loss, rtol=1e-5)
+    assert float(window["weight"]) == num_items_in_batch
+  assert _rel(nnx.state(model, nnx.Param), whole) <= 1e-5
+
+
+def test_hugging_face_style_metrics_in_the_train_step():
+  """Item 5: the ready-made step's loss metric is the window's, not k times it."""
+  model, params, loss_fn = _linen()
+  batches = _batches()
+  whole, _, whole_losses = _whole_batch(loss_fn, params, _adamw(), batches)
+
+  def share_of_window_mean(params, batch):
+    logits = model.apply({"params": params}, batch["x"])
+    total, n = _summed_ce(logits, batch)
+    return total / batch["num_items_in_batch"][0], n
+
+  opt = optax_accum.MultiSteps(_adamw(), K, grad_reduction="window_mean")
+  step = optax_accum.make_train_step(share_of_window_mean, opt)
+  state = opt.init(params)
+  for batch, whole_loss in zip(batches, whole_losses, strict=True):
+    batch = {**batch, "num_items_in_batch": np.full(16, batch["mask"].sum())}
+    for micro_batch in _micro_batches(batch):
+      params, state, metrics = step(params, state, micro_batch)
+    np.testing.assert_allclose(float(metrics["loss"]), whole_loss, rtol=1e-5)
+  assert _rel(params, whole) <= 1e-5
+
+
+# --- 7. Step counts updates (NNX) --------------------------------------------------
+
+
+def test_nnx_step_counts_updates():
+  """Item 7: `optax_accum.flax.Optimizer.step` counts updates; nnx's counts calls."""
+  batches = _batches()
+  whole, _, _ = _nnx_whole_batch(_adamw(), batches)
+
+  def run(optimizer_type):
+    model = MLP(nnx.Rngs(0))
+    optimizer = optimizer_type(
+      model, optax_accum.MultiSteps(_adamw(), K), wrt=nnx.Param
+    )
+
+    @nnx.jit
+    def micro_step(model, optimizer, batch):
+      grads, n = nnx.grad(lambda m: _token_mean_ce(m(batch["x"]), batch), has_aux=True)(
+        model
+      )
+      optimizer.update(model, grads, weight=n)
+
+    for batch in batches:
+      for micro_batch in _micro_batches(batch):
+        micro_step(model, optimizer, micro_batch)
+    return model, optimizer
+
+  model, optimizer = run(optax_accum.flax.Optimizer)
+  assert int(optimizer.step[...]) == UPDATES
+  assert _rel(nnx.state(model, nnx.Param), whole) <= 1e-5
+  model, optimizer = run(nnx.Optimizer)
+  assert int(optimizer.step[...]) == K * UPDATES  # What the docs warn about.
+  assert int(optax_accum.get_update_count(optimizer.opt_state)) == UPDATES
+  assert _rel(nnx.state(model, nnx.Param), whole) <= 1e-5
+
+
+def test_nnx_optimizer_refuses_a_missing_weight():
+  model = MLP(nnx.Rngs(0))
+  optimizer = optax_accum.flax.Optimizer(
+    model, optax_accum.MultiSteps(_adamw(), K), wrt=nnx.Param
+  )
+  grads = nnx.grad(lambda m: m(jnp.ones((2, FEATURES))).sum())(model)
+  with pytest.raises(ValueError, match=r"needs `weight=`"):
+    optimizer.update(model, grads)
+  with pytest.raises(ValueError, match=r"optax.MultiSteps, which ignores `weight`"):
+    optax_accum.flax.Optimizer(model, optax.MultiSteps(_adamw(), K), wrt=nnx.Param)
+
+
+# --- 8. make_train_step with a plain optax optimizer (Equinox) ---------------------
+
+
+@pytest.mark.parametrize("mode", ["scan", "stream"])
+def test_equinox_make_train_step_with_a_plain_optax_optimizer(mode):
+  """Item 8: no MultiSteps with a meaningless k; streaming names its k."""
+  eqx, model, loss_fn = _equinox()
+  params, static = eqx.partition(model, eqx.is_inexact_array)
+
+  def params_loss(params, batch):
+    return loss_fn(eqx.combine(params, static), batch)
+
+  batches = _batches()
+  whole, _, _ = _whole_batch(params_loss, params, _adamw(), batches)
+
+  if mode == "scan":
+    step = optax_accum.make_train_step(params_loss, _adamw(), mode="scan")
+  else:
+    step = optax_accum.make_train_step(params_loss, _adamw(), every_k_schedule=K)
+  state = step.init(params)
+  for batch in batches:
+    if mode == "scan":
+      window = optax_accum.split_micro_batches(batch, K)
+      params, state, metrics = step(params, state, window)
+    else:
+      for micro_batch in _micro_batches(batch):
+        params, state, metrics = step(params, state, micro_batch)
+  assert int(metrics["update_count"]) == UPDATES
+  model = eqx.combine(params, static)
+
+  @eqx.filter_jit
+  def evaluate(model, batch):
+    return loss_fn(model, batch)[0]
+
+  assert np.isfinite(float(evaluate(model, batches[0])))
+  assert _rel(params, whole) <= 1e-5
+
+
+# --- 9. apply_if_finite and schedule-free inside MultiSteps ------------------------
+
+
+def test_apply_if_finite_inside_multi_steps_counts_nothing_skipped_windows_does():
+  """Item 9: the window with a NaN is dropped before apply_if_finite sees it."""
+  batches = _batches()
+  poisoned = 2  # Window 2's first micro-batch has a NaN gradient.
+  whole, _, _ = _nnx_whole_batch(
+    _adamw(), [b for i, b in enumerate(batches) if i != poisoned]
+  )
+  model = MLP(nnx.Rngs(0))
+  tx = optax.apply_if_finite(_adamw(), max_consecutive_errors=3)
+  optimizer = optax_accum.flax.Optimizer(
+    model, optax_accum.MultiSteps(tx, K), wrt=nnx.Param
+  )
+
+  @nnx.jit
+  def micro_step(model, optimizer, batch, scale):
+    def loss_fn(model):
+      loss, n = _token_mean_ce(model(batch["x"]), batch)
+      return loss * scale, n
+
+    grads, n = nnx.grad(loss_fn, has_aux=True)(model)
+    optimizer.update(model, grads, weight=n)
+
+  for i, batch in enumerate(batches):
+    for j, micro_batch in enumerate(_micro_batches(batch)):
+      scale = jnp.float32(np.nan if (i, j) == (poisoned, 0) else 1.0)
+      micro_step(model, optimizer, micro_batch, scale)
+  state = optimizer.opt_state
+  assert int(state.skipped_windows[...]) == 1  # Monitor this ...
+  assert int(state.inner_opt_state.total_notfinite[...]) == 0  # ... not this.
+  assert int(optimizer.step[...]) == UPDATES - 1
+  assert _rel(nnx.state(model, nnx.Param), whole) <= 1e-5
+
+
+def test_linen_schedule_free_eval_params_through_multi_steps():
+  """Item 9: schedule_free_eval_params finds the state inside MultiSteps."""
+  model, params, loss_fn = _linen()
+  batches = _batches()
+  tx = optax.contrib.schedule_free_adamw(1e-2, warmup_steps=2, weight_decay=0.1)
+  whole, whole_state, _ = _whole_batch(loss_fn, params, tx, batches)
+  whole_eval = optax.contrib.schedule_free_eval_params(whole_state, whole)
+
+  state = optax_accum.flax.TrainState.create(
+    apply_fn=model.apply, params=params, tx=optax_accum.MultiSteps(tx, K)
+  )
+  for batch in batches:
+    for micro_batch in _micro_batches(batch):
+      grads, n = jax.grad(loss_fn, has_aux=True)(state.params, micro_batch)
+      state = state.apply_gradients(grads=grads, weight=n)
+  eval_params = optax_accum.schedule_free_eval_params(state.opt_state, state.params)
+  assert _rel(eval_params, whole_eval) <= 1e-5
+  assert _rel(eval_params, state.params) > 1e-3  # Not the training params.
+  with pytest.raises(ValueError, match="found 0"):
+    optax_accum.schedule_free_eval_params(_adamw().init(params), params)
+
+
+# --- 10. The documented step signature ---------------------------------------------
+
+
+def test_documented_step_signatures_match_the_step():
+  """Item 10: every `step(params, opt_state, batch...` in the docs is the real one."""
+  documented = "params, opt_state, batch, rng=None, *, end_window=False"
+  params = list(inspect.signature(optax_accum.TrainStep.__call__).parameters.values())
+  real = [
+    p.name if p.default is p.empty else f"{p.name}={p.default!r}" for p in params[1:]
+  ]
+  keyword_only = [p.kind == p.KEYWORD_ONLY for p in params[1:]]
+  real.insert(keyword_only.index(True), "*")
+  assert ", ".join(real) == documented
+  texts = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+  texts.append(pathlib.Path(inspect.getsourcefile(optax_accum.make_train_step)))
+  found = 0
+  for path in texts:
+    text = re.sub(r"\s*\n\s*", " ", path.read_text())
+    for signature in re.findall(r"step\((params, opt_state, batch[^)]*)\)", text):
+      assert signature == documented, f"{path.name}: step({signature})"
+      found += 1
+  assert found >= 2  # The README's and make_train_step's at least.
+
+
+# --- The recipes in docs/frameworks.md run ------------------------------------------
+
+
+def test_frameworks_page_code_runs():
+  page = (ROOT / "docs" / "frameworks.md").read_text()
+  blocks = re.findall(r"```python\n(.*?)```", page, flags=re.DOTALL)
+  assert len(blocks) >= 5
+  namespace: dict = {}
+  for code in blocks:
+    if "import equinox" in code:
+      pytest.importorskip("equinox")
+    exec(compile(code, "docs/frameworks.md", "exec"), namespace)
