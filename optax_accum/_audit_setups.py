@@ -265,6 +265,13 @@ def resolve_setup(
       f"The {name} passed as `optimizer` sums over axis {acc.axis_name!r}; the "
       "audit runs on one device: pass it without `axis_name`."
     )
+  if isinstance(acc, MultiSteps) and acc.grad_reduction == "window_mean":
+    raise ValueError(
+      f"The {name} passed as `optimizer` takes grad_reduction='window_mean' "
+      "losses (shares of the window's mean), which only your loop can compute; "
+      "audit's `loss_fn` returns a token mean: audit it with "
+      "grad_reduction='mean', or pass your loop as `accumulation=`."
+    )
   inner = acc.inner_opt
 
   def build(opt: Any) -> tuple[Callable, Callable]:

@@ -534,6 +534,9 @@ def test_accumulator_misuse_is_refused_with_the_right_call():
   )
   with pytest.raises(ValueError, match=r"holds an accumulator .* inside another"):
     optax_accum.audit(mean_loss, nested, params, batch, k=K)
+  window_mean = optax_accum.MultiSteps(ADAMW, K, grad_reduction="window_mean")
+  with pytest.raises(ValueError, match=r"audit it with grad_reduction='mean'"):
+    optax_accum.audit(mean_loss, window_mean, params, batch, k=K)
 
 
 # --- correct setups: OK ----------------------------------------------------------

@@ -74,3 +74,36 @@ def test_errors_say_what_is_missing():
     optax_accum.get_hyperparams(state)
   with pytest.raises(ValueError, match="No update counter in this optimizer state"):
     optax_accum.get_update_count(state)
+
+
+def test_every_groups_hyperparams_by_label():
+  """A name several injected states define maps to each one's value, by label."""
+  inject = optax.inject_hyperparams
+  tx = optax.multi_transform(
+    {
+      "body": inject(optax.adamw)(learning_rate=0.1, weight_decay=0.1),
+      "head": optax.chain(
+        inject(optax.sgd)(learning_rate=0.2), inject(optax.sgd)(learning_rate=0.3)
+      ),
+    },
+    {"w": "body", "b": "head"},
+  )
+  state = optax_accum.MultiSteps(tx, 2).init({"w": jnp.ones(3), "b": jnp.ones(2)})
+  hyperparams = jax.jit(optax_accum.get_hyperparams)(state)
+  assert next(iter(optax_accum.get_hyperparams(state))) == "learning_rate"
+  values = jax.tree.map(float, hyperparams["learning_rate"])
+  # Two states share the label "head": each keeps its path after it.
+  assert values == pytest.approx(
+    {"body": 0.1, "head.inner_state[0]": 0.2, "head.inner_state[1]": 0.3}
+  )
+  assert float(hyperparams["weight_decay"]) == pytest.approx(0.1)  # Only one.
+  chain = optax.chain(
+    inject(optax.sgd)(learning_rate=0.2), inject(optax.sgd)(learning_rate=0.3)
+  )
+  values = optax_accum.get_hyperparams(chain.init(jnp.ones(2)))["learning_rate"]
+  assert jax.tree.map(float, values) == pytest.approx({"[0]": 0.2, "[1]": 0.3})
+
+
+def test_last_window_needs_an_optax_accum_state():
+  with pytest.raises(ValueError, match=r"No optax_accum.MultiStepsState"):
+    optax_accum.get_last_window(optax.MultiSteps(optax.sgd(0.1), 2).init(0.0))

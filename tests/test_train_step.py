@@ -362,6 +362,41 @@ def test_inner_optimizer_gets_the_window_loss_as_value():
   assert float(metrics["loss"]) == float(plateau_state.best_value)
 
 
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+def test_a_plain_optax_optimizer_is_wrapped_for_its_mode(mode):
+  """Scan mode needs no k; streaming takes it as `every_k_schedule=`."""
+  k = 4
+  kwargs = {"every_k_schedule": k} if mode == "stream" else {}
+  step = optax_accum.make_train_step(toy_lm.mean_loss, _adamw(), mode=mode, **kwargs)
+  ours = optax_accum.make_train_step(
+    toy_lm.mean_loss, optax_accum.MultiSteps(_adamw(), k), mode=mode
+  )
+  batch = toy_lm.make_batch(seed=0)
+  windows = (
+    [optax_accum.split_micro_batches(batch, k)]
+    if mode == "scan"
+    else toy_lm.split(batch, k)
+  )
+  runs = []
+  for train_step in (step, ours):
+    params = toy_lm.init_params(seed=0)
+    state = train_step.init(params)
+    for window in windows:
+      params, state, metrics = train_step(params, state, window)
+    runs.append(params)
+  assert bool(metrics["updated"])
+  chex.assert_trees_all_equal(*runs)
+  with pytest.raises(ValueError, match=r"`opt_state` must come from step.init"):
+    step(params, _adamw().init(params), windows[0])
+
+
+def test_a_plain_optimizer_that_accumulates_already_is_refused():
+  inner = optax.MultiSteps(optax.adam(1e-3), 2).gradient_transformation()
+  step = optax_accum.make_train_step(toy_lm.mean_loss, inner, mode="scan")
+  with pytest.raises(ValueError, match=r"already accumulates"):
+    step.init(toy_lm.init_params(seed=0))
+
+
 def test_a_batch_array_shared_with_params_is_not_donated_away():
   """The step donates params; a batch leaf that is the same buffer is copied first."""
   opt = optax_accum.MultiSteps(optax.sgd(0.1), 2)
@@ -383,9 +418,21 @@ def test_a_batch_array_shared_with_params_is_not_donated_away():
 
 def test_factory_errors():
   with pytest.raises(
-    ValueError, match=r"`optimizer` must be an optax_accum.MultiSteps"
+    ValueError,
+    match=r"`optimizer` must be an optax_accum.MultiSteps in streaming mode unless "
+    r"`every_k_schedule=`",
   ):
     optax_accum.make_train_step(toy_lm.mean_loss, optax.adam(1e-3))
+  with pytest.raises(ValueError, match=r"no effect in scan mode"):
+    optax_accum.make_train_step(
+      toy_lm.mean_loss, optax.adam(1e-3), mode="scan", every_k_schedule=2
+    )
+  with pytest.raises(ValueError, match=r"this optax_accum.MultiSteps has its own"):
+    optax_accum.make_train_step(
+      toy_lm.mean_loss, optax_accum.MultiSteps(optax.adam(1e-3), 2), every_k_schedule=2
+    )
+  with pytest.raises(ValueError, match=r"got optax.MultiSteps: wrap your optimizer"):
+    optax_accum.make_train_step(toy_lm.mean_loss, optax.MultiSteps(optax.adam(1e-3), 2))
   opt = optax_accum.MultiSteps(optax.adam(1e-3), 2)
   with pytest.raises(
     ValueError, match=r"`mode` must be 'stream' or 'scan', got 'loop'"
