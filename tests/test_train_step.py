@@ -470,7 +470,9 @@ def test_call_errors():
   opt = optax_accum.MultiSteps(optax.adam(1e-3), 2)
   params = toy_lm.init_params(seed=0)
   step = optax_accum.make_train_step(toy_lm.mean_loss, opt, mode="scan")
-  with pytest.raises(ValueError, match=r"`opt_state` must come from optimizer.init"):
+  with pytest.raises(
+    ValueError, match=r"`opt_state` must come from step.init\(params\)"
+  ):
     step(params, optax.adam(1e-3).init(params), toy_lm.make_batch(seed=0))
   uneven = {
     "inputs": np.zeros((2, 3, 4), int),
