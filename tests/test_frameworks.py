@@ -5,9 +5,7 @@ One test (or a few) per item of the issue; the item number is in the name's
 docstring. Equinox tests are skipped without equinox (an optional test extra).
 """
 
-import contextlib
 import inspect
-import io
 import pathlib
 import re
 
@@ -521,27 +519,3 @@ def test_documented_step_signatures_match_the_step():
       assert signature == documented, f"{path.name}: step({signature})"
       found += 1
   assert found >= 2  # The README's and make_train_step's at least.
-
-
-# --- The recipes in docs/frameworks.md run ------------------------------------------
-
-
-def test_frameworks_page_code_runs_and_prints_what_it_shows():
-  page = (ROOT / "docs" / "frameworks.md").read_text()
-  # A Python block (indented in a list or not), optionally followed by the text
-  # block of what it prints.
-  examples = re.findall(
-    r"^( *)```python\n(.*?)^\1```\n(?:\n```text\n(.*?)```)?",
-    page,
-    flags=re.DOTALL | re.MULTILINE,
-  )
-  assert len(examples) >= 8
-  pytest.importorskip("equinox")
-  namespace: dict = {}  # Like a reader's session: later blocks reuse names.
-  for indent, code, shown in examples:
-    code = re.sub(rf"^{indent}", "", code, flags=re.MULTILINE)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-      exec(compile(code, "docs/frameworks.md", "exec"), namespace)
-    if shown:
-      assert out.getvalue().strip() == shown.strip(), code
