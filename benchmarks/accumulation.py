@@ -21,8 +21,9 @@ for any of them and blocks once at the end of the round. For each model and
 
 Rounds are interleaved (each round runs every variant once, in a shuffled
 order) so machine noise hits all variants alike; medians with min and max.
-The script fails if a variant beats its lower bound by more than 3%: then the
-bound is wrong.
+The script fails if a variant's best round beats its lower bound's best round
+by more than 3%: then the bound is wrong. (Best against best: medians of
+identical programs differ by a few percent on a busy CPU; minima do not.)
 FLOPs and bytes come from XLA's ``cost_analysis()``, memory from
 ``memory_analysis()``; both are deterministic. A second table gives the host
 time per call against the number of param leaves (10, 100, 1000). Results go
@@ -339,14 +340,20 @@ def targets(
 
 
 def bounds_violated(r: dict[str, Any]) -> list[str]:
-  """Variants faster than their lower bound by more than the slack."""
-  ms = {label: entry["ms"] for label, entry in r.items() if "ms" in entry}
+  """Variants whose best round beats their bound's best round beyond the slack.
+
+  Minima, not medians: the fastest round is the one least disturbed by the
+  machine, so best against best tests the bound itself. Three copies of the
+  same program on the compute-bound MLP gave medians 3% apart in one run.
+  """
+  best = {label: entry["min"] for label, entry in r.items() if "min" in entry}
   checks = [(v, "limit") for v in ("stream", "stream_in_graph", "optax")]
   checks.append(("scan", "scan_limit"))
   return [
-    f"{variant} {ms[variant]:.3f} ms < {BOUND_SLACK} x {bound} {ms[bound]:.3f} ms"
+    f"best {variant} {best[variant]:.3f} ms < {BOUND_SLACK} x best {bound} "
+    f"{best[bound]:.3f} ms"
     for variant, bound in checks
-    if ms[variant] < BOUND_SLACK * ms[bound]
+    if best[variant] < BOUND_SLACK * best[bound]
   ]
 
 

@@ -12,6 +12,7 @@ keeps one params-sized sum, as a replicated accumulator would.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -135,3 +136,80 @@ def has_partial_sums(acc: Any, params: Any) -> bool:
     _stacked(a, p)
     for a, p in zip(jax.tree.leaves(acc), jax.tree.leaves(params), strict=False)
   )
+
+
+def sharded_programs(
+  layout: DataLayout,
+  accumulate: Callable[..., Any],
+  update: Callable[..., Any],
+  *,
+  scan: bool,
+  donate: bool,
+  has_aux: bool,
+) -> tuple[Any, Any]:
+  """The step's accumulate and update programs, run in a ``shard_map``.
+
+  ``accumulate`` and ``update`` are the step's in-graph bodies, called with
+  ``partial=True``: each replica adds its own rows to its own partial sum. The
+  accumulator's leading axis, the batch's rows and ``aux`` (which gains a
+  replica axis) are split over the data axes; everything else is replicated.
+  """
+  rows = P(None, *layout.spec()) if scan else layout.spec()
+  split, whole = layout.spec(), P()
+
+  def one(x: Any) -> Any:  # This replica's slice of a leading replica axis.
+    return jax.tree.map(lambda a: a[0], x)
+
+  def stack(x: Any, axis: int = 0) -> Any:  # Gains a replica axis.
+    return jax.tree.map(lambda a: jnp.expand_dims(a, axis), x)
+
+  def accumulate_here(params: Any, acc: Any, counters: Any, batch: Any, rng: Any):
+    acc, counters, loss, grad_norm, aux = accumulate(
+      params, one(acc), counters, batch, rng, partial=True
+    )
+    return stack(acc), counters, loss, grad_norm, stack(aux)
+
+  def update_here(
+    params: Any, inner: Any, acc: Any, counters: Any, batch: Any, rng: Any, *end: Any
+  ) -> Any:
+    params, inner, acc, counters, metrics = update(
+      params, inner, one(acc), counters, batch, rng, *end, partial=True
+    )
+    aux = metrics.pop("aux", None)
+    return params, inner, stack(acc), counters, metrics, stack(aux, int(scan))
+
+  def program(fn: Any, in_specs: Any, out_specs: Any, donated: Any) -> Any:
+    mapped = jax.shard_map(
+      fn,
+      mesh=layout.mesh,
+      in_specs=in_specs,
+      out_specs=out_specs,
+      axis_names=set(layout.axes),
+    )
+    return jax.jit(mapped, donate_argnums=donated if donate else ())
+
+  accumulate_program = program(
+    accumulate_here,
+    (whole, split, whole, rows, whole),
+    (split, whole, whole, whole, rows),
+    (1,),
+  )
+  end_window = () if scan else (whole,)
+  update_program = program(
+    update_here,
+    (whole, whole, split, whole, rows, whole, *end_window),
+    (whole, whole, split, whole, whole, rows),
+    (0, 1, 2),
+  )
+
+  def with_aux(fn: Any) -> Any:  # aux back into the metrics, where users read it.
+    def run(*args: Any) -> Any:
+      *out, aux = fn(*args)
+      if has_aux:
+        out[-1] = {**out[-1], "aux": aux}
+      return tuple(out)
+
+    run.lower = fn.lower  # type: ignore[attr-defined]
+    return run
+
+  return accumulate_program, with_aux(update_program)

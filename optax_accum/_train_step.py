@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
 from optax_accum import _checks
@@ -26,6 +25,7 @@ from optax_accum._replicas import (
   data_layout,
   has_partial_sums,
   per_replica,
+  sharded_programs,
   summed,
 )
 
@@ -351,74 +351,15 @@ class TrainStep:
     if layout is None:
       return self.accumulate_program, self.update_program
     if layout not in self._sharded_programs:
-      self._sharded_programs[layout] = self._sharded_programs_for(layout)
+      self._sharded_programs[layout] = sharded_programs(
+        layout,
+        self._accumulate,
+        self._scan if self.mode == "scan" else self._update,
+        scan=self.mode == "scan",
+        donate=self.donate,
+        has_aux=self.has_aux,
+      )
     return self._sharded_programs[layout]
-
-  def _sharded_programs_for(self, layout: DataLayout) -> tuple[Any, Any]:
-    """The programs run in a ``shard_map`` over the data axes (see
-    :mod:`optax_accum._replicas`): the accumulator's leading axis, the batch's
-    rows and ``aux`` (a new replica axis) are split over them."""
-    scan = self.mode == "scan"
-    rows = P(None, *layout.spec()) if scan else layout.spec()
-    split, whole = layout.spec(), P()
-
-    def one(x: Any) -> Any:  # This replica's slice of a leading replica axis.
-      return jax.tree.map(lambda a: a[0], x)
-
-    def stack(x: Any, axis: int = 0) -> Any:  # Gains a replica axis.
-      return jax.tree.map(lambda a: jnp.expand_dims(a, axis), x)
-
-    def accumulate(params: Any, acc: Any, counters: Any, batch: Any, rng: Any) -> Any:
-      acc, counters, loss, grad_norm, aux = self._accumulate(
-        params, one(acc), counters, batch, rng, partial=True
-      )
-      return stack(acc), counters, loss, grad_norm, stack(aux)
-
-    def update(
-      params: Any, inner: Any, acc: Any, counters: Any, batch: Any, rng: Any, *end: Any
-    ) -> Any:
-      body = self._scan if scan else self._update
-      params, inner, acc, counters, metrics = body(
-        params, inner, one(acc), counters, batch, rng, *end, partial=True
-      )
-      aux = metrics.pop("aux", None)
-      return params, inner, stack(acc), counters, metrics, stack(aux, int(scan))
-
-    def program(fn: Any, in_specs: Any, out_specs: Any, donate: Any) -> Any:
-      mapped = jax.shard_map(
-        fn,
-        mesh=layout.mesh,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        axis_names=set(layout.axes),
-      )
-      return jax.jit(mapped, donate_argnums=donate if self.donate else ())
-
-    accumulate_program = program(
-      accumulate,
-      (whole, split, whole, rows, whole),
-      (split, whole, whole, whole, rows),
-      (1,),
-    )
-    end_window = () if scan else (whole,)
-    update_program = program(
-      update,
-      (whole, whole, split, whole, rows, whole, *end_window),
-      (whole, whole, split, whole, whole, rows),
-      (0, 1, 2),
-    )
-
-    def with_aux(fn: Any) -> Any:
-      def run(*args: Any) -> Any:
-        *out, aux = fn(*args)
-        if self.has_aux:
-          out[-1] = {**out[-1], "aux": aux}
-        return tuple(out)
-
-      run.lower = fn.lower  # type: ignore[attr-defined]
-      return run
-
-    return accumulate_program, with_aux(update_program)
 
   def _run_update(
     self,
@@ -467,6 +408,25 @@ class TrainStep:
     return params, state, metrics
 
   # -- the pieces ----------------------------------------------------------
+
+  def _add_micro_batch(
+    self,
+    params: Any,
+    state: MultiStepsState,
+    batch: Any,
+    rng: Any,
+    reduce_gradient: bool,
+  ) -> tuple[MultiStepsState, jax.Array, Any, Any]:
+    """One micro-batch's weighted gradient added to ``state``'s accumulator.
+
+    Returns the new state, whether the micro-batch counted, its gradient and
+    its aux. ``reduce_gradient=False`` adds this replica's gradient only.
+    """
+    grads, value, weight, aux = self._grads(params, batch, rng, state)
+    added, counted = self.optimizer.add(
+      grads, state, params, weight=weight, loss=value, reduce_gradient=reduce_gradient
+    )
+    return added, counted, grads, aux
 
   def _grads(
     self, params: Any, batch: Any, rng: Any, state: MultiStepsState
@@ -534,10 +494,7 @@ class TrainStep:
   ) -> tuple[Any, MultiStepsState, jax.Array, jax.Array, Any]:
     """Adds a micro-batch. ``partial``: ``acc`` is this replica's partial sum."""
     state = _joined(counters, None, acc)
-    grads, value, weight, aux = self._grads(params, batch, rng, state)
-    added, _ = self.optimizer.add(
-      grads, state, params, weight=weight, loss=value, reduce_gradient=not partial
-    )
+    added, _, _, aux = self._add_micro_batch(params, state, batch, rng, not partial)
     loss, grad_norm = self.optimizer.window_loss(added), jnp.zeros([], jnp.float32)
     return added.acc_grads, _counters(added), loss, grad_norm, aux
 
@@ -556,9 +513,8 @@ class TrainStep:
     """Adds a micro-batch and ends the window if it is full or ``end_window``.
     ``partial``: ``acc`` is this replica's partial sum, and stays one."""
     opt_state = _joined(counters, inner, acc)
-    grads, value, weight, aux = self._grads(params, batch, rng, opt_state)
-    added, counted = self.optimizer.add(
-      grads, opt_state, params, weight=weight, loss=value, reduce_gradient=not partial
+    added, counted, grads, aux = self._add_micro_batch(
+      params, opt_state, batch, rng, not partial
     )
     ends = self.optimizer.window_ends(added, counted, end_window)
     if not partial:
@@ -599,9 +555,8 @@ class TrainStep:
       start = jax.tree.map(_local_zeros(axis_name), acc)
 
     def body(state: MultiStepsState, micro_batch: Any) -> tuple[MultiStepsState, Any]:
-      grads, value, weight, aux = self._grads(params, micro_batch, rng, state)
-      added, _ = self.optimizer.add(
-        grads, state, params, weight=weight, loss=value, reduce_gradient=not local
+      added, _, _, aux = self._add_micro_batch(
+        params, state, micro_batch, rng, not local
       )
       return added, aux
 
