@@ -57,8 +57,21 @@ BOUND_SLACK = 0.97
 # --- models ---------------------------------------------------------------------
 
 
-def _regression_batches(width: int) -> Callable[[int], dict[str, np.ndarray]]:
+def _regression(
+  prefix: str, count: int, width: int, micro_batch: int, forward: Callable[..., Any]
+) -> dict[str, Any]:
+  """``count`` random ``width x width`` leaves, a squared-error loss through
+  ``forward(params, x)``, and a generator of micro-batches for it."""
+  keys = jax.random.split(jax.random.key(0), count)
+  params = {
+    f"{prefix}{i:04d}": jax.random.normal(key, (width, width)) / width**0.5
+    for i, key in enumerate(keys)
+  }
   rng = np.random.default_rng(0)
+
+  def loss_fn(params: Any, batch: Any) -> tuple[jax.Array, jax.Array]:
+    h = forward(params, batch["x"])
+    return jnp.mean((h - batch["y"]) ** 2), jnp.float32(batch["x"].shape[0])
 
   def batch(rows: int) -> dict[str, np.ndarray]:
     return {
@@ -66,29 +79,18 @@ def _regression_batches(width: int) -> Callable[[int], dict[str, np.ndarray]]:
       "y": rng.normal(size=(rows, width)).astype(np.float32),
     }
 
-  return batch
+  return {"params": params, "loss_fn": loss_fn, "batch": batch, "rows": micro_batch}
 
 
 def mlp(width: int, depth: int, micro_batch: int) -> dict[str, Any]:
   """A tanh MLP regressor and one micro-batch of data for it."""
-  keys = jax.random.split(jax.random.key(0), depth)
-  params = {
-    f"w{i}": jax.random.normal(key, (width, width)) / width**0.5
-    for i, key in enumerate(keys)
-  }
 
-  def loss_fn(params: Any, batch: Any) -> tuple[jax.Array, jax.Array]:
-    h = batch["x"]
-    for i in range(depth):
-      h = jnp.tanh(h @ params[f"w{i}"])
-    return jnp.mean((h - batch["y"]) ** 2), jnp.float32(batch["x"].shape[0])
+  def forward(params: Any, h: jax.Array) -> jax.Array:
+    for name in sorted(params):
+      h = jnp.tanh(h @ params[name])
+    return h
 
-  return {
-    "params": params,
-    "loss_fn": loss_fn,
-    "batch": _regression_batches(width),
-    "rows": micro_batch,
-  }
+  return _regression("w", depth, width, micro_batch, forward)
 
 
 def many_leaves(leaves: int, width: int, micro_batch: int) -> dict[str, Any]:
@@ -97,25 +99,13 @@ def many_leaves(leaves: int, width: int, micro_batch: int) -> dict[str, Any]:
   Like a transformer whose layers are separate arrays: each leaf is cheap, so
   the cost of a call is dominated by per-buffer and per-kernel overheads.
   """
-  keys = jax.random.split(jax.random.key(0), leaves)
-  params = {
-    f"layer{i:04d}": jax.random.normal(key, (width, width)) / width**0.5
-    for i, key in enumerate(keys)
-  }
-  names = sorted(params)
 
-  def loss_fn(params: Any, batch: Any) -> tuple[jax.Array, jax.Array]:
-    h = batch["x"]
-    for name in names:
-      h = h + jnp.tanh(h @ params[name]) / len(names)
-    return jnp.mean((h - batch["y"]) ** 2), jnp.float32(batch["x"].shape[0])
+  def forward(params: Any, h: jax.Array) -> jax.Array:
+    for name in sorted(params):
+      h = h + jnp.tanh(h @ params[name]) / len(params)
+    return h
 
-  return {
-    "params": params,
-    "loss_fn": loss_fn,
-    "batch": _regression_batches(width),
-    "rows": micro_batch,
-  }
+  return _regression("layer", leaves, width, micro_batch, forward)
 
 
 MODELS = {

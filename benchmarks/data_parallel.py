@@ -29,18 +29,15 @@ import argparse
 import json
 import pathlib
 import platform
-from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from benchmarks.accumulation import RESULTS, _Rounds
+from benchmarks.accumulation import RESULTS, _Rounds, mlp
 from optax_accum._hlo import collectives
 
 RECIPES = (
@@ -51,22 +48,6 @@ RECIPES = (
   "jit scan, axis_name",
   "shard_map scan, axis_name",
 )
-
-
-def _model(width: int, depth: int) -> tuple[Any, Callable[..., Any]]:
-  keys = jax.random.split(jax.random.key(0), depth)
-  params = {
-    f"w{i}": np.asarray(jax.random.normal(key, (width, width)) / width**0.5)
-    for i, key in enumerate(keys)
-  }
-
-  def loss_fn(params: Any, batch: Any) -> tuple[jax.Array, jax.Array]:
-    h = batch["x"]
-    for i in range(depth):
-      h = jnp.tanh(h @ params[f"w{i}"])
-    return jnp.mean((h - batch["y"]) ** 2), jnp.float32(batch["x"].shape[0])
-
-  return params, loss_fn
 
 
 def _window_bytes(lowered: dict[str, Any], k: int, in_graph: bool) -> int:
@@ -89,19 +70,18 @@ def bench(
   recipe: str, k: int, width: int, depth: int, rows: int, rounds: _Rounds, windows: int
 ) -> dict[str, Any]:
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-  params0, loss_fn = _model(width, depth)
+  model = mlp(width, depth, rows)
+  params0, loss_fn = model["params"], model["loss_fn"]
+  param_bytes = sum(x.nbytes for x in jax.tree.leaves(params0))
   scan = "scan" in recipe
   axis_name = "data" if "axis_name" in recipe else None
   opt = optax_accum.MultiSteps(optax.adamw(1e-4), k)
   step = optax_accum.make_train_step(
     loss_fn, opt, mode="scan" if scan else "stream", axis_name=axis_name
   )
-  rng = np.random.default_rng(0)
-  shape = (k, rows, width) if scan else (rows, width)
-  batch = {
-    "x": rng.normal(size=shape).astype(np.float32),
-    "y": rng.normal(size=shape).astype(np.float32),
-  }
+  batch = model["batch"](k * rows if scan else rows)
+  if scan:
+    batch = optax_accum.split_micro_batches(batch, k)
   rows_spec = P(None, "data") if scan else P("data")
   in_graph = recipe.startswith("shard_map")
   params = jax.device_put(params0, NamedSharding(mesh, P()))
@@ -126,7 +106,6 @@ def bench(
       name: step.lower(params, state, batch, program=name)
       for name in ("accumulate", "update")
     }
-  param_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(params0))
   reduced = _window_bytes(lowered, k, in_graph)
 
   carry = [params, state]
