@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import optax
+from jax.typing import ArrayLike
 
 from optax_accum._inspect import find_states
 from optax_accum._multi_steps import MultiStepsState
@@ -26,10 +27,17 @@ def check_accumulates(opt_state: Any, *, where: str) -> MultiStepsState:
   return found[0]
 
 
-def missing_weight(where: str) -> ValueError:
-  return ValueError(
-    f"{where} needs `weight=`: the number of items (tokens, samples) behind "
-    "this micro-batch's gradient. Without it every micro-batch weighs the same "
-    "and short ones count too much; pass weight=1 if that is what you want "
-    "(optax.MultiSteps' uniform mean)."
-  )
+def check_update(opt_state: Any, weight: ArrayLike | None, *, where: str) -> None:
+  """Refuses an update the wrappers would get silently wrong.
+
+  ``ValueError`` if ``opt_state`` holds no optax_accum accumulator (see
+  :func:`check_accumulates`) or ``weight`` is missing.
+  """
+  check_accumulates(opt_state, where=where)
+  if weight is None:
+    raise ValueError(
+      f"{where} needs `weight=`: the number of items (tokens, samples) behind "
+      "this micro-batch's gradient. Without it every micro-batch weighs the same "
+      "and short ones count too much; pass weight=1 if that is what you want "
+      "(optax.MultiSteps' uniform mean)."
+    )

@@ -9,7 +9,7 @@ import optax
 from flax.training import train_state
 from jax.typing import ArrayLike
 
-from optax_accum._framework_checks import check_accumulates, missing_weight
+from optax_accum._framework_checks import check_accumulates, check_update
 
 
 class TrainState(train_state.TrainState):
@@ -62,9 +62,7 @@ class TrainState(train_state.TrainState):
       The new state; ``step`` is one more only if an update was applied.
     """
     where = "optax_accum.flax.TrainState.apply_gradients"
-    check_accumulates(self.opt_state, where=where)
-    if weight is None:
-      raise missing_weight(where)
+    check_update(self.opt_state, weight, where=where)
     if isinstance(grads, dict) and "_overwrite_with_gradient" in grads:
       raise ValueError(
         f"{where} does not support Flax's `_overwrite_with_gradient` collection."

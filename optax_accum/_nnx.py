@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import ArrayLike
 
-from optax_accum._framework_checks import check_accumulates, missing_weight
+from optax_accum._framework_checks import check_accumulates, check_update
 
 
 class Optimizer(nnx.Optimizer):
@@ -66,8 +66,7 @@ class Optimizer(nnx.Optimizer):
       The updates applied (zeros until the window ends).
     """
     where = "optax_accum.flax.Optimizer.update"
-    if weight is None:
-      raise missing_weight(where)
+    check_update(self.opt_state, weight, where=where)
     step = self.step[...]
     updates = super().update(
       model, grads, weight=weight, loss=loss, end_window=end_window, **kwargs

@@ -1,57 +1,26 @@
 """Flax NNX and Linen models train with optax_accum as they would on the whole batch."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax_models import (
+  MLP,
+  K,
+  linen_mlp,
+  make_batches,
+  micro_batches,
+  rel,
+  token_mean_ce,
+)
 
 import optax_accum
 
-FEATURES, HIDDEN, CLASSES, K, UPDATES = 6, 16, 5, 4, 8
-
-
-def _batches():
-  """Per-token features and labels; sequences of very different lengths."""
-  rng = np.random.default_rng(0)
-  batches = []
-  for _ in range(UPDATES):
-    x = rng.normal(size=(16, 12, FEATURES)).astype(np.float32)
-    labels = rng.integers(0, CLASSES, size=(16, 12))
-    lengths = np.where(
-      rng.random(16) < 0.5, rng.integers(1, 3, 16), rng.integers(8, 13, 16)
-    )
-    mask = np.arange(12)[None, :] < lengths[:, None]
-    batches.append({"x": x, "labels": labels, "mask": mask})
-  return batches
-
-
-def _token_mean_ce(logits, batch):
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
-  mask = jnp.asarray(batch["mask"], ce.dtype)
-  return (ce * mask).sum() / mask.sum(), mask.sum()
-
-
-def _micro_batches(batch):
-  return [jax.tree.map(lambda x, i=i: x[i::K], batch) for i in range(K)]
-
-
-def _rel(a, b):
-  return float(optax.tree.norm(jax.tree.map(jnp.subtract, a, b)) / optax.tree.norm(b))
+UPDATES = 8
 
 
 # --- NNX ------------------------------------------------------------------------
-
-
-class MLP(nnx.Module):
-  def __init__(self, rngs: nnx.Rngs):
-    self.hidden = nnx.Linear(FEATURES, HIDDEN, rngs=rngs)
-    self.out = nnx.Linear(HIDDEN, CLASSES, rngs=rngs)
-
-  def __call__(self, x):
-    return self.out(jax.nn.tanh(self.hidden(x)))
 
 
 def _nnx_whole_batch_params():
@@ -60,10 +29,10 @@ def _nnx_whole_batch_params():
 
   @nnx.jit
   def step(model, optimizer, batch):
-    grads = nnx.grad(lambda m: _token_mean_ce(m(batch["x"]), batch)[0])(model)
+    grads = nnx.grad(lambda m: token_mean_ce(m(batch["x"]), batch)[0])(model)
     optimizer.update(model, grads)
 
-  for batch in _batches():
+  for batch in make_batches(UPDATES):
     step(model, optimizer, batch)
   return nnx.state(model, nnx.Param)
 
@@ -73,18 +42,18 @@ def test_nnx_split_merge_with_make_train_step():
 
   def loss_fn(params, batch):
     model = nnx.merge(graphdef, params)
-    return _token_mean_ce(model(batch["x"]), batch)
+    return token_mean_ce(model(batch["x"]), batch)
 
   opt = optax_accum.MultiSteps(optax.adam(1e-2), K)
   step = optax_accum.make_train_step(loss_fn, opt)
   state = opt.init(params)
   losses = []
-  for batch in _batches():
-    for micro_batch in _micro_batches(batch):
+  for batch in make_batches(UPDATES):
+    for micro_batch in micro_batches(batch):
       params, state, metrics = step(params, state, micro_batch)
     losses.append(float(metrics["loss"]))
   assert losses[-1] < losses[0]
-  assert _rel(params, _nnx_whole_batch_params()) <= 1e-5
+  assert rel(params, _nnx_whole_batch_params()) <= 1e-5
 
 
 def test_nnx_optimizer_forwards_weight():
@@ -95,15 +64,15 @@ def test_nnx_optimizer_forwards_weight():
   @nnx.jit
   def micro_step(model, optimizer, batch):
     def loss(m):
-      return _token_mean_ce(m(batch["x"]), batch)
+      return token_mean_ce(m(batch["x"]), batch)
 
     grads, weight = nnx.grad(loss, has_aux=True)(model)
     optimizer.update(model, grads, weight=weight)
 
-  for batch in _batches():
-    for micro_batch in _micro_batches(batch):
+  for batch in make_batches(UPDATES):
+    for micro_batch in micro_batches(batch):
       micro_step(model, optimizer, micro_batch)
-  assert _rel(nnx.state(model, nnx.Param), _nnx_whole_batch_params()) <= 1e-5
+  assert rel(nnx.state(model, nnx.Param), _nnx_whole_batch_params()) <= 1e-5
   # The logging helpers read through nnx's variables.
   lr = optax_accum.get_hyperparams(optimizer.opt_state)["learning_rate"]
   assert f"{lr:.0e}" == "1e-02"
@@ -113,21 +82,10 @@ def test_nnx_optimizer_forwards_weight():
 # --- Linen ----------------------------------------------------------------------
 
 
-class LinenMLP(nn.Module):
-  @nn.compact
-  def __call__(self, x):
-    return nn.Dense(CLASSES)(jax.nn.tanh(nn.Dense(HIDDEN)(x)))
-
-
 @pytest.mark.parametrize("mode", ["stream", "scan"])
 def test_linen_apply_params_with_make_train_step(mode):
-  model = LinenMLP()
-  batches = _batches()
-  params0 = model.init(jax.random.key(0), batches[0]["x"])["params"]
-
-  def loss_fn(params, batch):
-    return _token_mean_ce(model.apply({"params": params}, batch["x"]), batch)
-
+  _, params0, loss_fn = linen_mlp()
+  batches = make_batches(UPDATES)
   adam = optax.adam(1e-2)
   whole, whole_state = params0, adam.init(params0)
   for batch in batches:
@@ -146,8 +104,8 @@ def test_linen_apply_params_with_make_train_step(mode):
         params, state, optax_accum.split_micro_batches(batch, K)
       )
     else:
-      for micro_batch in _micro_batches(batch):
+      for micro_batch in micro_batches(batch):
         params, state, metrics = step(params, state, micro_batch)
     first_loss = float(metrics["loss"]) if first_loss is None else first_loss
   assert float(metrics["loss"]) < first_loss
-  assert _rel(params, whole) <= 1e-5
+  assert rel(params, whole) <= 1e-5

@@ -9,7 +9,6 @@ import inspect
 import pathlib
 import re
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,53 +16,29 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
+from flax_models import (
+  CLASSES,
+  FEATURES,
+  HIDDEN,
+  MLP,
+  K,
+  linen_mlp,
+  make_batches,
+  micro_batches,
+  rel,
+  summed_ce,
+  token_mean_ce,
+)
 
 import optax_accum
 import optax_accum.flax
 
-FEATURES, HIDDEN, CLASSES, K, UPDATES = 6, 16, 5, 4, 5
+UPDATES = 5
 ROOT = pathlib.Path(__file__).parent.parent
-
-
-def _batches(updates=UPDATES):
-  """Per-token features and labels; sequences of very different lengths."""
-  rng = np.random.default_rng(0)
-  batches = []
-  for _ in range(updates):
-    x = rng.normal(size=(16, 12, FEATURES)).astype(np.float32)
-    labels = rng.integers(0, CLASSES, size=(16, 12))
-    lengths = np.where(
-      rng.random(16) < 0.5, rng.integers(1, 3, 16), rng.integers(8, 13, 16)
-    )
-    mask = np.arange(12)[None, :] < lengths[:, None]
-    batches.append({"x": x, "labels": labels, "mask": mask})
-  return batches
-
-
-def _micro_batches(batch):
-  return [jax.tree.map(lambda x, i=i: x[i::K], batch) for i in range(K)]
-
-
-def _summed_ce(logits, batch):
-  """Cross-entropy summed over valid tokens, and their number."""
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
-  mask = jnp.asarray(batch["mask"], ce.dtype)
-  return (ce * mask).sum(), mask.sum()
-
-
-def _token_mean_ce(logits, batch):
-  total, n = _summed_ce(logits, batch)
-  return total / n, n
 
 
 def _adamw():
   return optax.adamw(1e-2, weight_decay=0.1)
-
-
-def _rel(a, b):
-  a, b = jax.tree.leaves(a), jax.tree.leaves(b)
-  diff = optax.tree.norm([x - y for x, y in zip(a, b, strict=True)])
-  return float(diff / optax.tree.norm(b))
 
 
 def _whole_batch(loss_fn, params, tx, batches, pass_value=False):
@@ -88,32 +63,7 @@ def _whole_batch(loss_fn, params, tx, batches, pass_value=False):
 # --- Models -------------------------------------------------------------------------
 
 
-class LinenMLP(nn.Module):
-  @nn.compact
-  def __call__(self, x):
-    return nn.Dense(CLASSES)(jax.nn.tanh(nn.Dense(HIDDEN)(x)))
-
-
-class MLP(nnx.Module):
-  def __init__(self, rngs: nnx.Rngs):
-    self.hidden = nnx.Linear(FEATURES, HIDDEN, rngs=rngs)
-    self.out = nnx.Linear(HIDDEN, CLASSES, rngs=rngs)
-
-  def __call__(self, x):
-    return self.out(jax.nn.tanh(self.hidden(x)))
-
-
-def _linen():
-  model = LinenMLP()
-  params = model.init(jax.random.key(0), _batches(1)[0]["x"])["params"]
-
-  def loss_fn(params, batch):
-    return _token_mean_ce(model.apply({"params": params}, batch["x"]), batch)
-
-  return model, params, loss_fn
-
-
-def _nnx_whole_batch(tx, batches, loss=_token_mean_ce, pass_value=False):
+def _nnx_whole_batch(tx, batches, loss=token_mean_ce, pass_value=False):
   graphdef, params = nnx.split(MLP(nnx.Rngs(0)), nnx.Param)
 
   def loss_fn(params, batch):
@@ -127,8 +77,8 @@ def _nnx_whole_batch(tx, batches, loss=_token_mean_ce, pass_value=False):
 
 def test_linen_train_state_apply_gradients_takes_weight():
   """Item 1 (and 7): the standard Linen loop, with `weight=` and an update count."""
-  model, params, loss_fn = _linen()
-  batches = _batches()
+  model, params, loss_fn = linen_mlp()
+  batches = make_batches(UPDATES)
   whole, _, _ = _whole_batch(loss_fn, params, _adamw(), batches)
 
   state = optax_accum.flax.TrainState.create(
@@ -138,15 +88,15 @@ def test_linen_train_state_apply_gradients_takes_weight():
   @jax.jit
   def train_step(state, batch):
     def loss(params):
-      return _token_mean_ce(state.apply_fn({"params": params}, batch["x"]), batch)
+      return token_mean_ce(state.apply_fn({"params": params}, batch["x"]), batch)
 
     grads, n = jax.grad(loss, has_aux=True)(state.params)
     return state.apply_gradients(grads=grads, weight=n)
 
   for batch in batches:
-    for micro_batch in _micro_batches(batch):
+    for micro_batch in micro_batches(batch):
       state = train_step(state, micro_batch)
-  assert _rel(state.params, whole) <= 1e-5
+  assert rel(state.params, whole) <= 1e-5
   assert int(state.step) == UPDATES  # Updates, not K * UPDATES micro-batches.
 
   # Control: Linen's own TrainState has no way to pass the weight, and gives
@@ -155,17 +105,17 @@ def test_linen_train_state_apply_gradients_takes_weight():
     apply_fn=model.apply, params=params, tx=optax_accum.MultiSteps(_adamw(), K)
   )
   for batch in batches:
-    for micro_batch in _micro_batches(batch):
+    for micro_batch in micro_batches(batch):
       grads, _ = jax.grad(loss_fn, has_aux=True)(linen.params, micro_batch)
       linen = linen.apply_gradients(grads=grads)
-  assert _rel(linen.params, whole) > 1e-3
+  assert rel(linen.params, whole) > 1e-3
   assert int(linen.step) == K * UPDATES
 
 
 def test_linen_train_state_refuses_what_would_be_silently_wrong():
   """Item 1: no weight, or an accumulator that ignores it, is an error."""
-  model, params, loss_fn = _linen()
-  grads, _ = jax.grad(loss_fn, has_aux=True)(params, _batches(1)[0])
+  model, params, loss_fn = linen_mlp()
+  grads, _ = jax.grad(loss_fn, has_aux=True)(params, make_batches(1)[0])
   state = optax_accum.flax.TrainState.create(
     apply_fn=model.apply, params=params, tx=optax_accum.MultiSteps(_adamw(), K)
   )
@@ -189,7 +139,7 @@ def test_linen_train_state_refuses_what_would_be_silently_wrong():
 
 def test_nnx_optimizer_loop_reads_the_finished_windows_loss():
   """Item 2: after the update, the window's loss and weight are still there."""
-  batches = _batches()
+  batches = make_batches(UPDATES)
   whole, _, whole_losses = _nnx_whole_batch(_adamw(), batches)
 
   model = MLP(nnx.Rngs(0))
@@ -198,19 +148,19 @@ def test_nnx_optimizer_loop_reads_the_finished_windows_loss():
   @nnx.jit
   def micro_step(model, optimizer, batch):
     def loss_fn(model):
-      return _token_mean_ce(model(batch["x"]), batch)
+      return token_mean_ce(model(batch["x"]), batch)
 
     (loss, n), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
     optimizer.update(model, grads, weight=n, loss=loss)
 
   for batch, whole_loss in zip(batches, whole_losses, strict=True):
-    for micro_batch in _micro_batches(batch):
+    for micro_batch in micro_batches(batch):
       micro_step(model, optimizer, micro_batch)
     window = optax_accum.get_last_window(optimizer.opt_state)
     np.testing.assert_allclose(float(window["loss"]), whole_loss, rtol=1e-5)
     assert float(window["weight"]) == batch["mask"].sum()
     assert float(optimizer.opt_state.acc_weight[...]) == 0  # Reset, as before.
-  assert _rel(nnx.state(model, nnx.Param), whole) <= 1e-5
+  assert rel(nnx.state(model, nnx.Param), whole) <= 1e-5
 
 
 # --- 3. reduce_on_plateau gets the window's loss (Equinox) -------------------------
@@ -222,7 +172,7 @@ def _equinox():
     FEATURES, CLASSES, HIDDEN, depth=1, activation=jax.nn.tanh, key=jax.random.key(0)
   )
 
-  def loss_fn(model, batch, loss=_token_mean_ce):
+  def loss_fn(model, batch, loss=token_mean_ce):
     return loss(jax.vmap(jax.vmap(model))(batch["x"]), batch)
 
   return eqx, model, loss_fn
@@ -235,7 +185,7 @@ def test_equinox_loop_feeds_reduce_on_plateau_the_window_loss():
   plateau = optax.contrib.reduce_on_plateau(factor=0.5, patience=1, rtol=0.5)
   tx = optax.chain(_adamw(), plateau)
   params, static = eqx.partition(model, eqx.is_inexact_array)
-  batches = _batches()
+  batches = make_batches(UPDATES)
   whole, whole_state, _ = _whole_batch(
     lambda p, b: loss_fn(eqx.combine(p, static), b), params, tx, batches, True
   )
@@ -251,13 +201,13 @@ def test_equinox_loop_feeds_reduce_on_plateau_the_window_loss():
     return eqx.apply_updates(model, updates), state
 
   for batch in batches:
-    for micro_batch in _micro_batches(batch):
+    for micro_batch in micro_batches(batch):
       model, state = micro_step(model, state, micro_batch)
   ours, theirs = state.inner_opt_state[1], whole_state[1]
   assert float(theirs.scale) < 0.5  # The plateau logic did act.
   assert float(ours.scale) == float(theirs.scale)
   np.testing.assert_allclose(ours.best_value, theirs.best_value, rtol=1e-5)
-  assert _rel(eqx.filter(model, eqx.is_inexact_array), whole) <= 1e-5
+  assert rel(eqx.filter(model, eqx.is_inexact_array), whole) <= 1e-5
 
 
 # --- 4. multi_transform learning rates, every group (Linen) ------------------------
@@ -265,7 +215,7 @@ def test_equinox_loop_feeds_reduce_on_plateau_the_window_loss():
 
 def test_linen_multi_transform_reports_every_groups_learning_rate():
   """Item 4: two injected groups, both learning rates by label."""
-  model, params, loss_fn = _linen()
+  model, params, loss_fn = linen_mlp()
   body_lr = optax.linear_schedule(1e-2, 1e-3, UPDATES)
 
   def tx():
@@ -277,20 +227,20 @@ def test_linen_multi_transform_reports_every_groups_learning_rate():
       {"Dense_0": "body", "Dense_1": "head"},
     )
 
-  batches = _batches()
+  batches = make_batches(UPDATES)
   whole, _, _ = _whole_batch(loss_fn, params, tx(), batches)
   state = optax_accum.flax.TrainState.create(
     apply_fn=model.apply, params=params, tx=optax_accum.MultiSteps(tx(), K)
   )
   for update, batch in enumerate(batches):
-    for micro_batch in _micro_batches(batch):
+    for micro_batch in micro_batches(batch):
       grads, n = jax.grad(loss_fn, has_aux=True)(state.params, micro_batch)
       state = state.apply_gradients(grads=grads, weight=n)
     learning_rate = optax_accum.get_hyperparams(state.opt_state)["learning_rate"]
     assert list(learning_rate) == ["body", "head"]
     np.testing.assert_allclose(learning_rate["body"], body_lr(update), rtol=1e-6)
     np.testing.assert_allclose(learning_rate["head"], 3e-3, rtol=1e-6)
-  assert _rel(state.params, whole) <= 1e-5
+  assert rel(state.params, whole) <= 1e-5
 
   # The ready-made step's metrics say the same.
   opt = optax_accum.MultiSteps(tx(), K)
@@ -306,7 +256,7 @@ def test_linen_multi_transform_reports_every_groups_learning_rate():
 
 def test_hugging_face_style_losses_with_window_mean():
   """Item 5: losses summed and divided by the window's known token total."""
-  batches = _batches()
+  batches = make_batches(UPDATES)
   whole, _, whole_losses = _nnx_whole_batch(_adamw(), batches)
 
   model = MLP(nnx.Rngs(0))
@@ -316,7 +266,7 @@ def test_hugging_face_style_losses_with_window_mean():
   @nnx.jit
   def micro_step(model, optimizer, batch, num_items_in_batch):
     def loss_fn(model):
-      total, n = _summed_ce(model(batch["x"]), batch)
+      total, n = summed_ce(model(batch["x"]), batch)
       return total / num_items_in_batch, n
 
     (loss, n), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
@@ -324,23 +274,23 @@ def test_hugging_face_style_losses_with_window_mean():
 
   for batch, whole_loss in zip(batches, whole_losses, strict=True):
     num_items_in_batch = batch["mask"].sum()  # Known before the window starts.
-    for micro_batch in _micro_batches(batch):
+    for micro_batch in micro_batches(batch):
       micro_step(model, optimizer, micro_batch, num_items_in_batch)
     window = optax_accum.get_last_window(optimizer.opt_state)
     np.testing.assert_allclose(float(window["loss"]), whole_loss, rtol=1e-5)
     assert float(window["weight"]) == num_items_in_batch
-  assert _rel(nnx.state(model, nnx.Param), whole) <= 1e-5
+  assert rel(nnx.state(model, nnx.Param), whole) <= 1e-5
 
 
 def test_hugging_face_style_metrics_in_the_train_step():
   """Item 5: the ready-made step's loss metric is the window's, not k times it."""
-  model, params, loss_fn = _linen()
-  batches = _batches()
+  model, params, loss_fn = linen_mlp()
+  batches = make_batches(UPDATES)
   whole, _, whole_losses = _whole_batch(loss_fn, params, _adamw(), batches)
 
   def share_of_window_mean(params, batch):
     logits = model.apply({"params": params}, batch["x"])
-    total, n = _summed_ce(logits, batch)
+    total, n = summed_ce(logits, batch)
     return total / batch["num_items_in_batch"][0], n
 
   opt = optax_accum.MultiSteps(_adamw(), K, grad_reduction="window_mean")
@@ -348,10 +298,10 @@ def test_hugging_face_style_metrics_in_the_train_step():
   state = opt.init(params)
   for batch, whole_loss in zip(batches, whole_losses, strict=True):
     batch = {**batch, "num_items_in_batch": np.full(16, batch["mask"].sum())}
-    for micro_batch in _micro_batches(batch):
+    for micro_batch in micro_batches(batch):
       params, state, metrics = step(params, state, micro_batch)
     np.testing.assert_allclose(float(metrics["loss"]), whole_loss, rtol=1e-5)
-  assert _rel(params, whole) <= 1e-5
+  assert rel(params, whole) <= 1e-5
 
 
 # --- 7. Step counts updates (NNX) --------------------------------------------------
@@ -359,7 +309,7 @@ def test_hugging_face_style_metrics_in_the_train_step():
 
 def test_nnx_step_counts_updates():
   """Item 7: `optax_accum.flax.Optimizer.step` counts updates; nnx's counts calls."""
-  batches = _batches()
+  batches = make_batches(UPDATES)
   whole, _, _ = _nnx_whole_batch(_adamw(), batches)
 
   def run(optimizer_type):
@@ -370,23 +320,23 @@ def test_nnx_step_counts_updates():
 
     @nnx.jit
     def micro_step(model, optimizer, batch):
-      grads, n = nnx.grad(lambda m: _token_mean_ce(m(batch["x"]), batch), has_aux=True)(
+      grads, n = nnx.grad(lambda m: token_mean_ce(m(batch["x"]), batch), has_aux=True)(
         model
       )
       optimizer.update(model, grads, weight=n)
 
     for batch in batches:
-      for micro_batch in _micro_batches(batch):
+      for micro_batch in micro_batches(batch):
         micro_step(model, optimizer, micro_batch)
     return model, optimizer
 
   model, optimizer = run(optax_accum.flax.Optimizer)
   assert int(optimizer.step[...]) == UPDATES
-  assert _rel(nnx.state(model, nnx.Param), whole) <= 1e-5
+  assert rel(nnx.state(model, nnx.Param), whole) <= 1e-5
   model, optimizer = run(nnx.Optimizer)
   assert int(optimizer.step[...]) == K * UPDATES  # What the docs warn about.
   assert int(optax_accum.get_update_count(optimizer.opt_state)) == UPDATES
-  assert _rel(nnx.state(model, nnx.Param), whole) <= 1e-5
+  assert rel(nnx.state(model, nnx.Param), whole) <= 1e-5
 
 
 def test_nnx_optimizer_refuses_a_missing_weight():
@@ -413,7 +363,7 @@ def test_equinox_make_train_step_with_a_plain_optax_optimizer(mode):
   def params_loss(params, batch):
     return loss_fn(eqx.combine(params, static), batch)
 
-  batches = _batches()
+  batches = make_batches(UPDATES)
   whole, _, _ = _whole_batch(params_loss, params, _adamw(), batches)
 
   if mode == "scan":
@@ -426,7 +376,7 @@ def test_equinox_make_train_step_with_a_plain_optax_optimizer(mode):
       window = optax_accum.split_micro_batches(batch, K)
       params, state, metrics = step(params, state, window)
     else:
-      for micro_batch in _micro_batches(batch):
+      for micro_batch in micro_batches(batch):
         params, state, metrics = step(params, state, micro_batch)
   assert int(metrics["update_count"]) == UPDATES
   model = eqx.combine(params, static)
@@ -436,7 +386,7 @@ def test_equinox_make_train_step_with_a_plain_optax_optimizer(mode):
     return loss_fn(model, batch)[0]
 
   assert np.isfinite(float(evaluate(model, batches[0])))
-  assert _rel(params, whole) <= 1e-5
+  assert rel(params, whole) <= 1e-5
 
 
 # --- 9. apply_if_finite and schedule-free inside MultiSteps ------------------------
@@ -444,7 +394,7 @@ def test_equinox_make_train_step_with_a_plain_optax_optimizer(mode):
 
 def test_apply_if_finite_inside_multi_steps_counts_nothing_skipped_windows_does():
   """Item 9: the window with a NaN is dropped before apply_if_finite sees it."""
-  batches = _batches()
+  batches = make_batches(UPDATES)
   poisoned = 2  # Window 2's first micro-batch has a NaN gradient.
   whole, _, _ = _nnx_whole_batch(
     _adamw(), [b for i, b in enumerate(batches) if i != poisoned]
@@ -458,27 +408,27 @@ def test_apply_if_finite_inside_multi_steps_counts_nothing_skipped_windows_does(
   @nnx.jit
   def micro_step(model, optimizer, batch, scale):
     def loss_fn(model):
-      loss, n = _token_mean_ce(model(batch["x"]), batch)
+      loss, n = token_mean_ce(model(batch["x"]), batch)
       return loss * scale, n
 
     grads, n = nnx.grad(loss_fn, has_aux=True)(model)
     optimizer.update(model, grads, weight=n)
 
   for i, batch in enumerate(batches):
-    for j, micro_batch in enumerate(_micro_batches(batch)):
+    for j, micro_batch in enumerate(micro_batches(batch)):
       scale = jnp.float32(np.nan if (i, j) == (poisoned, 0) else 1.0)
       micro_step(model, optimizer, micro_batch, scale)
   state = optimizer.opt_state
   assert int(state.skipped_windows[...]) == 1  # Monitor this ...
   assert int(state.inner_opt_state.total_notfinite[...]) == 0  # ... not this.
   assert int(optimizer.step[...]) == UPDATES - 1
-  assert _rel(nnx.state(model, nnx.Param), whole) <= 1e-5
+  assert rel(nnx.state(model, nnx.Param), whole) <= 1e-5
 
 
 def test_linen_schedule_free_eval_params_through_multi_steps():
   """Item 9: schedule_free_eval_params finds the state inside MultiSteps."""
-  model, params, loss_fn = _linen()
-  batches = _batches()
+  model, params, loss_fn = linen_mlp()
+  batches = make_batches(UPDATES)
   tx = optax.contrib.schedule_free_adamw(1e-2, warmup_steps=2, weight_decay=0.1)
   whole, whole_state, _ = _whole_batch(loss_fn, params, tx, batches)
   whole_eval = optax.contrib.schedule_free_eval_params(whole_state, whole)
@@ -487,12 +437,12 @@ def test_linen_schedule_free_eval_params_through_multi_steps():
     apply_fn=model.apply, params=params, tx=optax_accum.MultiSteps(tx, K)
   )
   for batch in batches:
-    for micro_batch in _micro_batches(batch):
+    for micro_batch in micro_batches(batch):
       grads, n = jax.grad(loss_fn, has_aux=True)(state.params, micro_batch)
       state = state.apply_gradients(grads=grads, weight=n)
   eval_params = optax_accum.schedule_free_eval_params(state.opt_state, state.params)
-  assert _rel(eval_params, whole_eval) <= 1e-5
-  assert _rel(eval_params, state.params) > 1e-3  # Not the training params.
+  assert rel(eval_params, whole_eval) <= 1e-5
+  assert rel(eval_params, state.params) > 1e-3  # Not the training params.
   with pytest.raises(ValueError, match="found 0"):
     optax_accum.schedule_free_eval_params(_adamw().init(params), params)
 

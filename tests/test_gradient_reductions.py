@@ -36,8 +36,9 @@ def _param_bytes(params) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
 
 
-def _gradient_sized(program) -> list:
-  text = program.compile().as_text()
+def _gradient_sized(step, *args, **kwargs) -> list:
+  """The collectives of more than SCALARS bytes in ``step``'s compiled program."""
+  text = step.lower(*args, **kwargs).compile().as_text()
   return [c for c in collectives(text) if c.bytes > SCALARS]
 
 
@@ -45,16 +46,18 @@ def _placed(tree, mesh, spec):
   return jax.device_put(jax.tree.map(np.asarray, tree), NamedSharding(mesh, spec))
 
 
+def _step_input(batch, mode, mesh):
+  """``batch`` as one call of a ``mode`` step takes it, rows split over `data`:
+  its k micro-batches stacked for scan, as it is for stream."""
+  if mode == "scan":
+    return _placed(optax_accum.split_micro_batches(batch, K), mesh, P(None, "data"))
+  return _placed(batch, mesh, P("data"))
+
+
 def _run(step, mode, params, state, batches, mesh):
-  spec = P(None, "data") if mode == "scan" else P("data")
   for batch in batches:
-    if mode == "scan":
-      stacked = optax_accum.split_micro_batches(batch, K)
-      params, state, metrics = step(params, state, _placed(stacked, mesh, spec))
-    else:
-      for micro_batch in toy_lm.split(batch, K):
-        micro_batch = _placed(micro_batch, mesh, spec)
-        params, state, metrics = step(params, state, micro_batch)
+    for call in [batch] if mode == "scan" else toy_lm.split(batch, K):
+      params, state, metrics = step(params, state, _step_input(call, mode, mesh))
   return params, state, metrics
 
 
@@ -78,17 +81,13 @@ def test_plain_jit_with_axis_name_reduces_once_per_window(mode):
     assert acc.sharding.spec == P("data")
     assert {s.data.shape for s in acc.addressable_shards} == {(1, *p.shape)}
 
-  batch = batches[0]
-  if mode == "scan":
-    batch = _placed(optax_accum.split_micro_batches(batch, K), mesh, P(None, "data"))
-  else:
-    batch = _placed(toy_lm.split(batch, K)[0], mesh, P("data"))
-  update = _gradient_sized(step.lower(params, state, batch, program="update"))
+  batch = batches[0] if mode == "scan" else toy_lm.split(batches[0], K)[0]
+  batch = _step_input(batch, mode, mesh)
+  update = _gradient_sized(step, params, state, batch, program="update")
   assert [(c.kind, c.in_loop) for c in update] == [("all-reduce", False)], update
   assert update[0].bytes - _param_bytes(params) <= SCALARS
   if mode == "stream":
-    accumulate = step.lower(params, state, batch, program="accumulate")
-    assert _gradient_sized(accumulate) == []
+    assert _gradient_sized(step, params, state, batch, program="accumulate") == []
 
 
 def test_without_axis_name_jit_reduces_every_micro_batch():
@@ -97,16 +96,12 @@ def test_without_axis_name_jit_reduces_every_micro_batch():
   mesh = _mesh()
   params = _placed(toy_lm.init_params(seed=0), mesh, P())
   opt = optax_accum.MultiSteps(_adamw(), K)
-  for mode, spec in (("stream", P("data")), ("scan", P(None, "data"))):
+  for mode in ("stream", "scan"):
     step = optax_accum.make_train_step(toy_lm.mean_loss, opt, mode=mode)
-    batch = _uneven_batch(seed=0)
-    batch = optax_accum.split_micro_batches(batch, K) if mode == "scan" else batch
-    batch = _placed(batch, mesh, spec)
+    batch = _step_input(_uneven_batch(seed=0), mode, mesh)
     programs = ["update", "accumulate"] if mode == "stream" else ["update"]
     for program in programs:
-      found = _gradient_sized(
-        step.lower(params, opt.init(params), batch, program=program)
-      )
+      found = _gradient_sized(step, params, opt.init(params), batch, program=program)
       assert len(found) == 1 and found[0].kind == "all-reduce", found
       assert found[0].in_loop == (mode == "scan")
 
@@ -135,7 +130,7 @@ def test_scan_in_shard_map_reduces_after_the_loop(check_vma):
   for batch in stacked:
     params, state, _ = sharded(params, state, batch)
   assert toy_lm.max_rel_diff(params, whole) <= 1e-5
-  found = _gradient_sized(sharded.lower(params, state, stacked[0]))
+  found = _gradient_sized(sharded, params, state, stacked[0])
   assert [(c.kind, c.in_loop) for c in found] == [("all-reduce", False)], found
 
 
@@ -144,7 +139,7 @@ def test_accumulator_memory_per_device_does_not_grow():
   the replicated accumulator does (XLA's memory analysis, per device)."""
   mesh = _mesh()
   params = _placed(toy_lm.init_params(seed=0), mesh, P())
-  batch = _placed(toy_lm.split(_uneven_batch(seed=0), K)[0], mesh, P("data"))
+  batch = _step_input(toy_lm.split(_uneven_batch(seed=0), K)[0], "stream", mesh)
   opt = optax_accum.MultiSteps(_adamw(), K)
   sizes = {}
   for axis_name in (None, "data"):
