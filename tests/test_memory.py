@@ -145,3 +145,29 @@ def test_update_programs_copy_no_params_sized_buffer(program):
   copies = re.findall(rf"= f32\[{WIDTH},{WIDTH}\]\S* copy\(", hlo)
   assert not copies, f"{len(copies)} params-sized copies"
   assert "input_output_alias" in hlo  # The donated buffers are reused.
+
+
+def test_update_program_writes_no_params_sized_constant():
+  """The window's norm and finite check read the accumulator once per leaf.
+
+  On XLA:CPU a reduction fused with a scalar operand materialises that scalar
+  as a params-sized array and reads it once per leaf. The window's ``1 /
+  weight`` costs one such array; the finite check used to add a second, of
+  zeros (``g * 0``), where ``g - g`` needs none.
+  """
+  if jax.default_backend() != "cpu":
+    pytest.skip("XLA:CPU's reduction fusions")
+  params = _params()
+  opt = optax_accum.MultiSteps(optax.adamw(1e-3), 4)
+  step = optax_accum.make_train_step(_loss, opt)
+  hlo = step.lower(params, opt.init(params), _batch(ROWS)).compile().as_text()
+  computations = re.split(r"\n(?=\S)", hlo)
+  broadcasts = {
+    text.split()[0].lstrip("%")
+    for text in computations
+    if re.search(rf"ROOT \S+ = f32\[{WIDTH},{WIDTH}\]\S* broadcast\(", text)
+  }
+  entry = next(text for text in computations if text.startswith("ENTRY"))
+  called = [re.search(r"calls=%([\w.]+)", line) for line in entry.splitlines()]
+  materialised = [m.group(0) for m in called if m and m.group(1) in broadcasts]
+  assert len(materialised) <= 1, materialised
