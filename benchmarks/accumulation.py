@@ -493,7 +493,7 @@ def plot(runs: list[dict[str, Any]], path: pathlib.Path) -> None:
     chosen = [run for run in runs if run["model"] == model]
     ks = [run["k"] for run in chosen]
     for key, label in [
-      ("limit", "gradient + add (limit)"),
+      ("limit", "gradient + weighted add (limit)"),
       ("stream", "optax_accum stream"),
       ("optax", "optax.MultiSteps"),
     ]:
@@ -502,6 +502,11 @@ def plot(runs: list[dict[str, Any]], path: pathlib.Path) -> None:
       )
     scan = [run["results"]["scan"]["ms"] / run["k"] for run in chosen]
     ax.plot(ks, scan, marker="o", label="optax_accum scan (per micro-step)")
+    floor = [
+      run["results"]["limit"]["ms"] + run["results"]["optimizer"]["ms"] / run["k"]
+      for run in chosen
+    ]
+    ax.plot(ks, floor, "k--", label="limit + optimizer / k (floor)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("micro-batches per update (k)")
     ax.set_ylabel("ms per micro-step, pipelined")
