@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
   table = markdown(rows)
   args.out.mkdir(parents=True, exist_ok=True)
   meta = {"devices": jax.device_count(), "jax": jax.__version__, **vars(args)}
-  meta["out"] = str(meta["out"])
+  meta.update(machine=machine)
+  del meta["out"]
   name = f"{machine}-data-parallel"
   (args.out / f"{name}.json").write_text(
     json.dumps({"meta": meta, "rows": rows}, indent=1)

@@ -27,13 +27,8 @@ def check_accumulates(opt_state: Any, *, where: str) -> MultiStepsState:
   return found[0]
 
 
-def check_update(opt_state: Any, weight: ArrayLike | None, *, where: str) -> None:
-  """Refuses an update the wrappers would get silently wrong.
-
-  ``ValueError`` if ``opt_state`` holds no optax_accum accumulator (see
-  :func:`check_accumulates`) or ``weight`` is missing.
-  """
-  check_accumulates(opt_state, where=where)
+def check_weight(weight: ArrayLike | None, *, where: str) -> None:
+  """``ValueError`` if ``weight`` is missing: the wrappers have no default."""
   if weight is None:
     raise ValueError(
       f"{where} needs `weight=`: the number of items (tokens, samples) behind "
@@ -41,3 +36,13 @@ def check_update(opt_state: Any, weight: ArrayLike | None, *, where: str) -> Non
       "and short ones count too much; pass weight=1 if that is what you want "
       "(optax.MultiSteps' uniform mean)."
     )
+
+
+def check_update(opt_state: Any, weight: ArrayLike | None, *, where: str) -> None:
+  """Refuses an update the wrappers would get silently wrong.
+
+  ``ValueError`` if ``opt_state`` holds no optax_accum accumulator (see
+  :func:`check_accumulates`) or ``weight`` is missing.
+  """
+  check_accumulates(opt_state, where=where)
+  check_weight(weight, where=where)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import ArrayLike
 
-from optax_accum._framework_checks import check_accumulates, check_update
+from optax_accum._framework_checks import check_accumulates, check_weight
 
 
 class Optimizer(nnx.Optimizer):
@@ -66,7 +66,7 @@ class Optimizer(nnx.Optimizer):
       The updates applied (zeros until the window ends).
     """
     where = "optax_accum.flax.Optimizer.update"
-    check_update(self.opt_state, weight, where=where)
+    check_weight(weight, where=where)  # The state was checked when built.
     step = self.step[...]
     updates = super().update(
       model, grads, weight=weight, loss=loss, end_window=end_window, **kwargs

@@ -148,12 +148,12 @@ def test_update_programs_copy_no_params_sized_buffer(program):
 
 
 def test_update_program_writes_no_params_sized_constant():
-  """The window's norm and finite check read the accumulator once per leaf.
+  """The window's norm and finite check add no array of constants to read.
 
   On XLA:CPU a reduction fused with a scalar operand materialises that scalar
-  as a params-sized array and reads it once per leaf. The window's ``1 /
-  weight`` costs one such array; the finite check used to add a second, of
-  zeros (``g * 0``), where ``g - g`` needs none.
+  as a leaf-shaped array, which every leaf's reduction reads. The window's
+  ``1 / weight`` costs one such array; the finite check used to add a second,
+  of zeros (``g * 0``), where ``g - g`` needs none.
   """
   if jax.default_backend() != "cpu":
     pytest.skip("XLA:CPU's reduction fusions")
@@ -169,5 +169,6 @@ def test_update_program_writes_no_params_sized_constant():
   }
   entry = next(text for text in computations if text.startswith("ENTRY"))
   called = [re.search(r"calls=%([\w.]+)", line) for line in entry.splitlines()]
+  assert any(called), "no fusion calls parsed: has the HLO text format changed?"
   materialised = [m.group(0) for m in called if m and m.group(1) in broadcasts]
   assert len(materialised) <= 1, materialised
