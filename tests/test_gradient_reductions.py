@@ -54,6 +54,15 @@ def _step_input(batch, mode, mesh):
   return _placed(batch, mesh, P("data"))
 
 
+def _windows_and_whole(n):
+  """``n`` uneven batches (one window each), the starting params, and the
+  params of whole-batch AdamW after them: the oracle every recipe must match."""
+  batches = [_uneven_batch(seed=i) for i in range(n)]
+  params0 = toy_lm.init_params(seed=0)
+  whole, _, _ = toy_lm.whole_batch_run(params0, batches, _adamw())
+  return batches, params0, whole
+
+
 def _run(step, mode, params, state, batches, mesh):
   for batch in batches:
     for call in [batch] if mode == "scan" else toy_lm.split(batch, K):
@@ -64,9 +73,7 @@ def _run(step, mode, params, state, batches, mesh):
 @pytest.mark.parametrize("mode", ["stream", "scan"])
 def test_plain_jit_with_axis_name_reduces_once_per_window(mode):
   mesh = _mesh()
-  batches = [_uneven_batch(seed=i) for i in range(3)]
-  params0 = toy_lm.init_params(seed=0)
-  whole, _, _ = toy_lm.whole_batch_run(params0, batches, _adamw())
+  batches, params0, whole = _windows_and_whole(3)
   opt = optax_accum.MultiSteps(_adamw(), K)
   step = optax_accum.make_train_step(toy_lm.mean_loss, opt, mode=mode, axis_name="data")
   params = _placed(params0, mesh, P())
@@ -109,9 +116,7 @@ def test_without_axis_name_jit_reduces_every_micro_batch():
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_scan_in_shard_map_reduces_after_the_loop(check_vma):
   mesh = _mesh()
-  batches = [_uneven_batch(seed=i) for i in range(3)]
-  params0 = toy_lm.init_params(seed=0)
-  whole, _, _ = toy_lm.whole_batch_run(params0, batches, _adamw())
+  batches, params0, whole = _windows_and_whole(3)
   opt = optax_accum.MultiSteps(_adamw(), K)
   step = optax_accum.make_train_step(
     toy_lm.mean_loss, opt, mode="scan", axis_name="data"
@@ -204,9 +209,7 @@ def test_partial_sums_resume_on_another_layout():
   on 4 replicas, and on one device without axis_name."""
   mesh8 = _mesh()
   mesh4 = jax.make_mesh((4,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:4])
-  batches = [_uneven_batch(seed=i) for i in range(2)]
-  params0 = toy_lm.init_params(seed=0)
-  whole, _, _ = toy_lm.whole_batch_run(params0, batches, _adamw())
+  batches, params0, whole = _windows_and_whole(2)
   micro_batches = [mb for b in batches for mb in toy_lm.split(b, K)]
   opt = optax_accum.MultiSteps(_adamw(), K)
   sharded = optax_accum.make_train_step(toy_lm.mean_loss, opt, axis_name="data")
