@@ -1,0 +1,31 @@
+"""No program of the train step does more work than the recorded figures.
+
+The figures (``tests/data/program_costs.json``) were recorded with
+``python -m tests.program_costs`` before the layering change of issue 24: XLA's
+FLOPs, bytes accessed and scratch bytes of each program on the benchmark
+models, deterministic for one jax version.
+"""
+
+import json
+
+import jax
+import program_costs
+import pytest
+
+
+def _recorded():
+  return json.loads(program_costs.RECORD.read_text())
+
+
+@pytest.mark.skipif(
+  _recorded()["jax"] != jax.__version__,
+  reason="figures recorded with another jax version: XLA's own figures differ",
+)
+@pytest.mark.parametrize("config", program_costs.CONFIGS, ids=lambda c: str(c))
+def test_programs_do_no_more_work_than_recorded(config):
+  recorded = _recorded()["programs"][program_costs.key(*config)]
+  measured = program_costs.program_costs(*config)
+  assert measured.keys() == recorded.keys()
+  for program, figures in recorded.items():
+    for name, value in figures.items():
+      assert measured[program][name] <= value, (program, name, measured[program])
