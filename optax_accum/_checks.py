@@ -94,3 +94,62 @@ def check_scalar(value: ArrayLike, *, name: str, dtype: Any) -> None:
     raise ValueError(f"`{name}` must be {kind}, got dtype {src}.")
   if np.shape(value) != ():
     raise ValueError(f"`{name}` must be a scalar, got shape {np.shape(value)}.")
+
+
+def whole_number(value: Any, *, name: str, minimum: int = 1) -> int:
+  """``value`` as an ``int`` if it is a whole number >= ``minimum`` (no bool).
+
+  Examples:
+    >>> whole_number(np.int64(3), name='k')
+    3
+    >>> whole_number(True, name='k')
+    Traceback (most recent call last):
+      ...
+    ValueError: `k` must be an int >= 1, got True.
+  """
+  if (
+    isinstance(value, bool | np.bool_)
+    or not isinstance(value, int | np.integer)
+    or value < minimum
+  ):
+    raise ValueError(f"`{name}` must be an int >= {minimum}, got {value!r}.")
+  return int(value)
+
+
+def one_of(value: Any, choices: tuple[str, ...], *, name: str) -> Any:
+  """``value`` if it is one of ``choices``, else a ``ValueError`` listing them.
+
+  Examples:
+    >>> one_of('scan', ('stream', 'scan'), name='mode')
+    'scan'
+    >>> one_of('loop', ('stream', 'scan'), name='mode')
+    Traceback (most recent call last):
+      ...
+    ValueError: `mode` must be 'stream' or 'scan', got 'loop'.
+  """
+  if value not in choices:
+    quoted = [repr(c) for c in choices]
+    listed = (
+      ", ".join(quoted[:-1]) + f" or {quoted[-1]}" if len(quoted) > 1 else quoted[0]
+    )
+    raise ValueError(f"`{name}` must be {listed}, got {value!r}.")
+  return value
+
+
+def callable_arg(value: Any, *, name: str) -> Any:
+  """``value`` if it is callable, else a ``ValueError`` naming its type."""
+  if not callable(value):
+    raise ValueError(f"`{name}` must be callable, got {type(value).__name__}.")
+  return value
+
+
+def axes(axis_name: str | tuple[str, ...] | None) -> tuple[str, ...]:
+  """A mesh axis name, or a tuple of them, or ``None``, as a tuple of names.
+
+  Examples:
+    >>> axes('data'), axes(('data', 'fsdp')), axes(None)
+    (('data',), ('data', 'fsdp'), ())
+  """
+  if axis_name is None:
+    return ()
+  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)

@@ -299,6 +299,16 @@ class MultiSteps:
         "`accumulator_dtype` must be a floating-point dtype, got "
         f"{jnp.dtype(accumulator_dtype)}."
       )
+    self._arguments = dict(
+      opt=opt,
+      every_k_schedule=every_k_schedule,
+      use_grad_mean=use_grad_mean,
+      should_skip_update_fn=should_skip_update_fn,
+      accumulator_dtype=accumulator_dtype,
+      grad_reduction=grad_reduction,
+      axis_name=axis_name,
+      on_nonfinite=on_nonfinite,
+    )
     self._opt = optax.with_extra_args_support(opt)
     self._every_k_schedule = _validated_every_k(every_k_schedule)
     self._constant_k = None if callable(every_k_schedule) else int(every_k_schedule)
@@ -311,6 +321,18 @@ class MultiSteps:
     self._grad_reduction = grad_reduction
     self._axis_name = axis_name
     self._on_nonfinite = on_nonfinite
+
+  def replace(self, **changes: Any) -> MultiSteps:
+    """A copy with some constructor arguments changed (``opt=`` included).
+
+    Examples:
+      >>> import optax, optax_accum
+      >>> acc = optax_accum.MultiSteps(optax.sgd(0.1), every_k_schedule=4)
+      >>> acc.replace(opt=optax.adam(1e-3)).k_at(0)
+      Array(4, dtype=int32)
+    """
+    args = {**self._arguments, **changes}
+    return MultiSteps(args.pop("opt"), **args)
 
   @property
   def inner_opt(self) -> optax.GradientTransformationExtraArgs:
