@@ -103,44 +103,23 @@ def fit_gradient(
     return GradientFit(error, "whole", 1.0, shares)
   if not _norm(a) > 0:
     return GradientFit(error, "none", 0.0, None, "nothing was applied")
-  norm_a = _norm(a)
-
-  def scaled(d: np.ndarray) -> tuple[float, float]:
-    c = float(a @ d / max(d @ d, 1e-300))
-    return c, _norm(a - c * d) / norm_a
-
   coef, *_ = np.linalg.lstsq(g.T, a, rcond=None)
-  combination = _norm(a - g.T @ coef) / norm_a <= tol
+  combination = _norm(a - g.T @ coef) / _norm(a) <= tol
   coefficients = [float(c) for c in coef] if combination else None
   share = (float(tokens[-1]), float(sum(tokens)))
   if k > 1:
-    c, e = scaled(g[-1])
-    if e <= tol:
-      how = _scale_name(c, k, share)
-      return GradientFit(
-        error, "last", c, coefficients, f"the last micro-batch's gradient alone, {how}"
-      )
-    if coefficients is not None:
-      largest = max(abs(x) for x in coefficients)
-      dropped = [
-        i + 1 for i, x in enumerate(coefficients) if abs(x) <= DROPPED * largest
-      ]
-      if dropped:
-        return GradientFit(
-          error,
-          "dropped",
-          1.0,
-          coefficients,
-          f"micro-batches {dropped} of {k} are not in it",
-        )
+    missing = _missing_micro_batches(a, g, coefficients, share, tol)
+    if missing is not None:
+      kind, c, what = missing
+      return GradientFit(error, kind, c, coefficients, what)
   uniform = g.mean(axis=0)
-  c, e = scaled(uniform)
+  c, e = _scaled(a, uniform)
   if e <= tol and _rel(uniform, w) > tol:
     how = "" if abs(c - 1) <= 1e-3 else f", {_scale_name(c, k, share)}"
     return GradientFit(
       error, "uniform", c, coefficients, f"the mean of micro-batch means{how}"
     )
-  c, e = scaled(w)
+  c, e = _scaled(a, w)
   if e <= tol:
     return GradientFit(
       error, "scaled", c, coefficients, f"the whole batch's gradient {c:.3g} times"
@@ -152,6 +131,36 @@ def fit_gradient(
   else:
     how = "it is no combination of the window's micro-batch gradients"
   return GradientFit(error, "other", 1.0, coefficients, how)
+
+
+def _scaled(a: np.ndarray, d: np.ndarray) -> tuple[float, float]:
+  """The best ``c`` in ``a = c * d``, and the relative error left."""
+  c = float(a @ d / max(d @ d, 1e-300))
+  return c, _norm(a - c * d) / _norm(a)
+
+
+def _missing_micro_batches(
+  a: np.ndarray,
+  g: np.ndarray,
+  coefficients: list[float] | None,
+  share: tuple[float, float],
+  tol: float,
+) -> tuple[str, float, str] | None:
+  """``(kind, scale, what)`` if ``a`` leaves micro-batches out, else ``None``:
+  ``"last"`` when it is a multiple of the last one's gradient, ``"dropped"``
+  when a combination of them gives some (nearly) no weight."""
+  k = len(g)
+  c, e = _scaled(a, g[-1])
+  if e <= tol:
+    how = _scale_name(c, k, share)
+    return "last", c, f"the last micro-batch's gradient alone, {how}"
+  if coefficients is None:
+    return None
+  largest = max(abs(x) for x in coefficients)
+  dropped = [i + 1 for i, x in enumerate(coefficients) if abs(x) <= DROPPED * largest]
+  if dropped:
+    return "dropped", 1.0, f"micro-batches {dropped} of {k} are not in it"
+  return None
 
 
 def leaf_names(tree: Any) -> list[str]:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_accum import _checks
 from optax_accum._multi_steps import MultiSteps, MultiStepsState
 from optax_accum._train_step import make_train_step
 
@@ -70,8 +71,8 @@ def _window_size(acc: Accumulator) -> int | None:
   step0 = jnp.zeros([], jnp.int32)
   if isinstance(acc, MultiSteps):
     size = acc.k_at(step0)
-  else:  # optax.MultiSteps keeps its schedule privately.
-    schedule = getattr(acc, "_every_k_schedule", None)
+  else:
+    schedule, _ = _optax_private(acc)
     if not callable(schedule):
       return None
     size = schedule(step0)
@@ -83,15 +84,31 @@ def _window_size(acc: Accumulator) -> int | None:
 
 def _with_inner(acc: Accumulator, inner: optax.GradientTransformation) -> Accumulator:
   """A copy of ``acc``, every setting kept, around another inner optimizer."""
-  if not hasattr(acc, "_opt"):
-    raise ValueError(
-      f"This version of {accumulator_name(acc)} cannot be re-wrapped around "
-      "optax.sgd(1.0) to measure its gradient; audit it through `accumulation=` "
-      "with its inner optimizer as `optimizer`."
-    )
-  clone = copy.copy(acc)
-  clone._opt = optax.with_extra_args_support(inner)
-  return clone
+  if isinstance(acc, MultiSteps):
+    return acc.replace(opt=inner)
+  _, rewrapped = _optax_private(acc)
+  return rewrapped(inner)
+
+
+def _optax_private(
+  acc: optax.MultiSteps,
+) -> tuple[Any, Callable[[optax.GradientTransformation], optax.MultiSteps]]:
+  """What ``optax.MultiSteps`` offers no public way to get: its window schedule
+  (``None`` where it has none), and a copy of it around another inner
+  optimizer. The audit's only use of private attributes."""
+
+  def rewrapped(inner: optax.GradientTransformation) -> optax.MultiSteps:
+    if not hasattr(acc, "_opt"):
+      raise ValueError(
+        f"This version of {accumulator_name(acc)} cannot be re-wrapped around "
+        "optax.sgd(1.0) to measure its gradient; audit it through `accumulation=` "
+        "with its inner optimizer as `optimizer`."
+      )
+    clone = copy.copy(acc)
+    clone._opt = optax.with_extra_args_support(inner)
+    return clone
+
+  return getattr(acc, "_every_k_schedule", None), rewrapped
 
 
 def strip_aux(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
@@ -118,8 +135,7 @@ def check_loss_fn(
   loss_fn: Callable[..., Any], has_aux: bool, params: Any, micro_batch: Any
 ) -> None:
   """Raises ``ValueError`` unless ``loss_fn`` returns what ``audit`` needs."""
-  if not callable(loss_fn):
-    raise ValueError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
+  _checks.callable_arg(loss_fn, name="loss_fn")
   want = "(loss, (weight, aux))" if has_aux else "(loss, weight)"
 
   def fail(got: str) -> ValueError:
@@ -221,31 +237,38 @@ def resolve_setup(
   or :func:`optax_accum.make_train_step` around :class:`optax_accum.MultiSteps`.
   """
   acc = find_accumulator(optimizer)
-  if acc is None:
-    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-      raise ValueError(
-        "`optimizer` must be an optax.GradientTransformation, got "
-        f"{type(optimizer).__name__}."
-      )
-    if _holds_accumulator_state(optimizer.init(params)):
-      raise ValueError(
-        "`optimizer` holds an accumulator (optax.MultiSteps or optax_accum."
-        "MultiSteps) inside another transformation, so the whole-batch side "
-        "cannot apply it once per batch. Pass the optimizer without the "
-        "accumulator as `optimizer`, and build your setup around it in "
-        "`accumulation=`."
-      )
-    if accumulation is not None:
-      return Setup("your accumulation", accumulation, optimizer)
+  if acc is not None:
+    _check_accumulator(acc, k, accumulation)
+    return _accumulator_setup(loss_fn, has_aux, acc)
+  if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+    raise ValueError(
+      "`optimizer` must be an optax.GradientTransformation, got "
+      f"{type(optimizer).__name__}."
+    )
+  if _holds_accumulator_state(optimizer.init(params)):
+    raise ValueError(
+      "`optimizer` holds an accumulator (optax.MultiSteps or optax_accum."
+      "MultiSteps) inside another transformation, so the whole-batch side "
+      "cannot apply it once per batch. Pass the optimizer without the "
+      "accumulator as `optimizer`, and build your setup around it in "
+      "`accumulation=`."
+    )
+  if accumulation is not None:
+    return Setup("your accumulation", accumulation, optimizer)
 
-    def ours(opt: Any, k: int) -> tuple[Callable, Callable]:
-      return _built_once(
-        ("ours", loss_fn, has_aux, opt, k),
-        lambda: _train_step_setup(loss_fn, has_aux, MultiSteps(opt, k)),
-      )
+  def ours(opt: Any, k: int) -> tuple[Callable, Callable]:
+    return _built_once(
+      ("ours", loss_fn, has_aux, opt, k),
+      lambda: _train_step_setup(loss_fn, has_aux, MultiSteps(opt, k)),
+    )
 
-    return Setup("optax_accum.make_train_step (default)", ours, optimizer)
+  return Setup("optax_accum.make_train_step (default)", ours, optimizer)
 
+
+def _check_accumulator(
+  acc: Accumulator, k: int, accumulation: Accumulation | None
+) -> None:
+  """Raises ``ValueError`` unless the audit can run the usual loop around ``acc``."""
   name = accumulator_name(acc)
   if accumulation is not None:
     raise ValueError(
@@ -272,6 +295,12 @@ def resolve_setup(
       "audit's `loss_fn` returns a token mean: audit it with "
       "grad_reduction='mean', or pass your loop as `accumulation=`."
     )
+
+
+def _accumulator_setup(
+  loss_fn: Callable[..., Any], has_aux: bool, acc: Accumulator
+) -> Setup:
+  """The usual loop around ``acc``; its inner optimizer is the whole batch's."""
   inner = acc.inner_opt
 
   def build(opt: Any) -> tuple[Callable, Callable]:
@@ -289,4 +318,4 @@ def resolve_setup(
     if isinstance(acc, MultiSteps)
     else "in the usual loop (each micro-batch's gradient to update)"
   )
-  return Setup(f"{name} {how}", around, inner)
+  return Setup(f"{accumulator_name(acc)} {how}", around, inner)

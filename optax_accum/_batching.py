@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from optax_accum import _checks
+
 
 def split_micro_batches(batch: Any, k: int) -> Any:
   """Regroups every leaf from ``[B, ...]`` to ``[k, B // k, ...]``.
@@ -42,8 +44,7 @@ def split_micro_batches(batch: Any, k: int) -> Any:
            [1, 4],
            [2, 5]])
   """
-  if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
-    raise ValueError(f"`k` must be an int >= 1, got {k!r}.")
+  k = _checks.whole_number(k, name="k")
   leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
   if not leaves:
     raise ValueError("`batch` has no arrays to split.")

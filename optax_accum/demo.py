@@ -173,6 +173,27 @@ def train(
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+  args = _parse_args(argv)
+  batches, vocab = make_batches(corpus(), args.steps, args.seed)
+  graphdef, params = make_model(vocab, args.seed)
+  loss_fn = make_loss(graphdef)
+  schedule = optax.warmup_cosine_decay_schedule(
+    0.0, 3e-3, max(args.steps // 10, 1), args.steps
+  )
+  # eps=1e-6, not 1e-8: Adam divides by sqrt(v) + eps, so with a tiny eps the
+  # float32 rounding in near-zero gradients (rare characters) is amplified
+  # into visibly different params (3e-4 after 60 updates instead of 3e-6).
+  adamw = optax.inject_hyperparams(optax.adamw)(
+    learning_rate=optax_accum.progress_schedule(schedule), weight_decay=0.01, eps=1e-6
+  )
+  grad_errors = _first_window_grad_errors(loss_fn, params, batches[0], args.k)
+  runs = _train_all(list(grad_errors), loss_fn, params, batches, args.k, adamw)
+  results = _print_results(runs, grad_errors, args.steps, args.k)
+  _plot(runs, args.out)
+  return results
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument(
     "--steps", type=int, default=60, help="optimizer updates (default 60)"
@@ -194,40 +215,41 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     parser.error(f"--steps must be >= 2, got {args.steps}")
   if args.k < 1 or BATCH % args.k:
     parser.error(f"--k must divide the batch of {BATCH} sequences, got {args.k}")
+  return args
 
-  batches, vocab = make_batches(corpus(), args.steps, args.seed)
-  graphdef, params = make_model(vocab, args.seed)
-  loss_fn = make_loss(graphdef)
-  schedule = optax.warmup_cosine_decay_schedule(
-    0.0, 3e-3, max(args.steps // 10, 1), args.steps
-  )
-  # eps=1e-6, not 1e-8: Adam divides by sqrt(v) + eps, so with a tiny eps the
-  # float32 rounding in near-zero gradients (rare characters) is amplified
-  # into visibly different params (3e-4 after 60 updates instead of 3e-6).
-  adamw = optax.inject_hyperparams(optax.adamw)(
-    learning_rate=optax_accum.progress_schedule(schedule), weight_decay=0.01, eps=1e-6
-  )
 
-  # The first window's gradient: whole batch vs each way of accumulating it.
+def _first_window_grad_errors(
+  loss_fn: Callable, params: Any, batch: dict[str, np.ndarray], k: int
+) -> dict[str, float]:
+  """The first window's gradient: whole batch vs each way of accumulating it."""
   grad_fn = jax.jit(jax.grad(loss_fn, has_aux=True))
-  whole_grad, _ = grad_fn(params, batches[0])
-  micro = [grad_fn(params, b) for b in _micro(batches[0], args.k)]
-  uniform = jax.tree.map(lambda *g: sum(g) / args.k, *[g for g, _ in micro])
+  whole_grad, _ = grad_fn(params, batch)
+  micro = [grad_fn(params, b) for b in _micro(batch, k)]
+  uniform = jax.tree.map(lambda *g: sum(g) / k, *[g for g, _ in micro])
   weighted = jax.tree.map(
     lambda *g: sum(g), *[jax.tree.map(lambda x, w=w: w * x, g) for g, w in micro]
   )
   total = sum(w for _, w in micro)
-  grad_errors = {
+  return {
     "whole batch": 0.0,
     "optax.MultiSteps": _rel(uniform, whole_grad),
     "optax_accum": _rel(jax.tree.map(lambda x: x / total, weighted), whole_grad),
   }
 
-  names = list(grad_errors)
+
+def _train_all(
+  names: list[str],
+  loss_fn: Callable,
+  params: Any,
+  batches: list,
+  k: int,
+  adamw: Any,
+) -> dict[str, dict[str, Any]]:
+  """Each run of ``names`` in turn (the whole batch first), with a progress bar."""
   try:
     from tqdm import tqdm
 
-    bar = tqdm(total=len(names) * args.steps, desc="training", unit="update")
+    bar = tqdm(total=len(names) * len(batches), desc="training", unit="update")
   except ImportError:  # The progress bar is optional.
     bar = None
   runs: dict[str, dict[str, Any]] = {}
@@ -236,12 +258,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
       bar.set_postfix_str(name)
     tick = bar.update if bar is not None else (lambda: None)
     whole = runs["whole batch"]["trajectory"] if runs else None
-    runs[name] = train(name, loss_fn, params, batches, args.k, adamw, tick, whole)
+    runs[name] = train(name, loss_fn, params, batches, k, adamw, tick, whole)
   if bar is not None:
     bar.close()
+  return runs
 
+
+def _print_results(
+  runs: dict[str, dict[str, Any]], grad_errors: dict[str, float], steps: int, k: int
+) -> dict[str, dict[str, Any]]:
+  """Prints the table of runs against the whole batch; returns its numbers."""
   reference = runs["whole batch"]
-  print(f"\n{args.steps} AdamW updates of {BATCH} sequences, k={args.k} micro-batches")
+  print(f"\n{steps} AdamW updates of {BATCH} sequences, k={k} micro-batches")
   columns = ("first-window grad error", "final loss", "params diff")
   print(f"\n{'run':<18} {columns[0]:>24} {columns[1]:>11} {columns[2]:>12}")
   results: dict[str, dict[str, Any]] = {}
@@ -257,7 +285,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     )
     print(f"{name:<18} {numbers}")
   print("\n(errors and diffs relative to the whole-batch run: ||a - b|| / ||b||)")
-  _plot(runs, args.out)
   return results
 
 
