@@ -1,7 +1,15 @@
-"""Token-weighted gradient accumulation: a drop-in for ``optax.MultiSteps``."""
+"""Token-weighted gradient accumulation: a drop-in for ``optax.MultiSteps``.
+
+:class:`MultiSteps` is the optax adapter over the window arithmetic
+(:mod:`optax_accum._window`) and the reduction policy
+(:mod:`optax_accum._reduction`). The state transitions below it
+(:func:`add_micro_batch`, :func:`window_ends`, :func:`run_inner`,
+:func:`closed`) are shared with ``make_train_step``'s programs.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
@@ -11,15 +19,8 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike, DTypeLike
 
-from optax_accum import _checks
-from optax_accum._collectives import (
-  AxisName,
-  ReplicaSum,
-  on_any_shard,
-  replica_index,
-  replica_max,
-  varying_over,
-)
+from optax_accum import _checks, _reduction, _window
+from optax_accum._reduction import AxisName
 
 GradReduction = Literal["mean", "sum", "window_mean"]
 NonFinitePolicy = Literal["skip_window", "skip_micro_batch"]
@@ -93,35 +94,229 @@ class MultiStepsState(NamedTuple):
   last_window_weight: ArrayLike = np.float32(0)
 
 
-def _validated_every_k(
-  every_k_schedule: EveryKSchedule,
-) -> Callable[[jax.Array], ArrayLike]:
-  if callable(every_k_schedule):
-    return every_k_schedule
-  if isinstance(every_k_schedule, bool) or not isinstance(
-    every_k_schedule, int | np.integer
-  ):
-    raise ValueError(
-      "`every_k_schedule` must be an int or a callable of the update count, "
-      f"got {every_k_schedule!r} ({type(every_k_schedule).__name__})."
+@dataclasses.dataclass(frozen=True)
+class MultiStepsConfig:
+  """The settings of a :class:`MultiSteps`, validated once (see its arguments).
+
+  Examples:
+    >>> MultiStepsConfig(every_k_schedule=4).k_at(0)
+    Array(4, dtype=int32)
+    >>> MultiStepsConfig(every_k_schedule=0)
+    Traceback (most recent call last):
+      ...
+    ValueError: `every_k_schedule` must be >= 1, got 0.
+  """
+
+  every_k_schedule: EveryKSchedule
+  use_grad_mean: bool = True
+  should_skip_update_fn: ShouldSkipUpdateFn | None = None
+  accumulator_dtype: DTypeLike | None = None
+  grad_reduction: GradReduction = "mean"
+  axis_name: AxisName | None = None
+  on_nonfinite: NonFinitePolicy = "skip_window"
+
+  def __post_init__(self) -> None:
+    k = self.every_k_schedule
+    if not callable(k):
+      if isinstance(k, bool | np.bool_) or not isinstance(k, int | np.integer):
+        raise ValueError(
+          "`every_k_schedule` must be an int or a callable of the update count, "
+          f"got {k!r} ({type(k).__name__})."
+        )
+      if k < 1:
+        raise ValueError(f"`every_k_schedule` must be >= 1, got {k}.")
+    _checks.one_of(
+      self.grad_reduction, ("mean", "sum", "window_mean"), name="grad_reduction"
     )
-  if every_k_schedule < 1:
-    raise ValueError(f"`every_k_schedule` must be >= 1, got {every_k_schedule}.")
-  k = int(every_k_schedule)
-  return lambda step: k
+    _checks.one_of(
+      self.on_nonfinite, ("skip_window", "skip_micro_batch"), name="on_nonfinite"
+    )
+    if not isinstance(self.use_grad_mean, bool | np.bool_):
+      raise ValueError(f"`use_grad_mean` must be a bool, got {self.use_grad_mean!r}.")
+    dtype = self.accumulator_dtype
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
+      raise ValueError(
+        f"`accumulator_dtype` must be a floating-point dtype, got {jnp.dtype(dtype)}."
+      )
+
+  def k_at(self, update_count: ArrayLike) -> jax.Array:
+    """Micro-batches per window after ``update_count`` updates (int32, >= 1)."""
+    schedule = self.every_k_schedule
+    k = schedule(jnp.asarray(update_count)) if callable(schedule) else schedule
+    return jnp.maximum(jnp.asarray(k).astype(jnp.int32), 1)
+
+  @property
+  def constant_k(self) -> int | None:
+    """The window length when ``every_k_schedule`` is an int, else ``None``."""
+    k = self.every_k_schedule
+    return None if callable(k) else int(k)
+
+  @property
+  def counts_every_micro_batch(self) -> bool:
+    """Whether every micro-batch counts towards ``k`` (nothing can reject one)."""
+    return self.should_skip_update_fn is None
+
+  @property
+  def divides(self) -> bool:
+    """Whether the window's sum is divided by its weight (a window_mean sum is
+    the mean already)."""
+    return bool(self.use_grad_mean) and self.grad_reduction != "window_mean"
 
 
-def _all_finite(*trees: Any) -> jax.Array:
-  """Whether every element of every leaf is finite (a bool scalar)."""
-  finite = jnp.array(True)
-  for leaf in jax.tree.leaves(trees):
-    finite = finite & jnp.all(jnp.isfinite(leaf))
-  return finite
+# --- state transitions, shared by MultiSteps.update and make_train_step --------
 
 
-def _wider(a: Any, b: Any) -> Any:
-  """The wider of two float dtypes (no promotion rules involved)."""
-  return a if jnp.dtype(a).itemsize >= jnp.dtype(b).itemsize else b
+def window_of(state: MultiStepsState) -> _window.Window:
+  """The window in progress of a state."""
+  return _window.Window(
+    state.mini_step, state.acc_grads, state.acc_weight, state.acc_loss
+  )
+
+
+def _screened(
+  config: MultiStepsConfig,
+  state: MultiStepsState,
+  grads: Any,
+  params: Any,
+  reduction: Any,
+) -> tuple[jax.Array, Any]:
+  """Whether ``should_skip_update_fn`` lets the micro-batch count, and its state.
+
+  A rejection on any replica rejects it on all of them, and every replica
+  keeps the same ``skip_state``: its leaves' maximum over them.
+  """
+  if config.should_skip_update_fn is None:
+    return jnp.array(True), state.skip_state
+  skip, skip_state = config.should_skip_update_fn(grads, state.gradient_step, params)
+  if (jnp.result_type(skip), jnp.shape(skip)) != (jnp.bool_, ()):
+    raise ValueError(
+      "`should_skip_update_fn` must return a bool scalar, got dtype "
+      f"{jnp.result_type(skip)} and shape {jnp.shape(skip)}."
+    )
+  skip = reduction.sum(jnp.asarray(skip).astype(jnp.int32)) > 0
+  return ~skip, reduction.agree(skip_state)
+
+
+def add_micro_batch(
+  config: MultiStepsConfig,
+  state: MultiStepsState,
+  grads: Any,
+  params: Any = None,
+  *,
+  weight: ArrayLike | None,
+  loss: ArrayLike | None,
+  reduction: Any,
+) -> tuple[MultiStepsState, jax.Array]:
+  """``state`` with a micro-batch added (never ending the window), and whether
+  it counts towards ``k``."""
+  _checks.check_tree_matches(
+    grads,
+    state.acc_grads,
+    name="updates",
+    ref_name="the accumulator (from init(params))",
+  )
+  if weight is None:
+    if config.grad_reduction == "sum":
+      raise ValueError(
+        "`weight` is required with grad_reduction='sum': the number of "
+        "items behind each summed-loss gradient normalises the window."
+      )
+    weight = 1
+  counted, skip_state = _screened(config, state, grads, params, reduction)
+  window = window_of(state)
+  drop = config.on_nonfinite == "skip_micro_batch"
+  kept = _window.admit(
+    window,
+    grads,
+    loss,
+    weight,
+    reduction=reduction,
+    counted=counted,
+    drop_nonfinite=drop,
+  )
+  weigh = config.grad_reduction == "mean"
+  window = _window.add(window, grads, loss, kept, reduction=reduction, weigh=weigh)
+  added = state._replace(
+    **window._asdict(),
+    updated=jnp.zeros_like(state.updated),
+    skipped_micro_batches=_count_if(kept.dropped, state.skipped_micro_batches),
+    skip_state=skip_state,
+    micro_batches_seen=optax.safe_increment(
+      jnp.asarray(state.micro_batches_seen, jnp.int32)
+    ),
+  )
+  return added, counted
+
+
+def window_ends(
+  config: MultiStepsConfig,
+  added: MultiStepsState,
+  counted: ArrayLike,
+  end_window: ArrayLike | None = None,
+) -> jax.Array:
+  """Whether the micro-batch just added ends the window."""
+  ends = jnp.asarray(counted) & (added.mini_step >= config.k_at(added.gradient_step))
+  if end_window is not None:
+    ends = ends | _checks.scalar(end_window, name="end_window", dtype=jnp.bool_)
+  return ends
+
+
+def run_inner(
+  opt: optax.GradientTransformationExtraArgs,
+  grads: Any,
+  added: MultiStepsState,
+  params: Any,
+  extra_args: dict[str, Any],
+  optional_args: dict[str, Any],
+) -> tuple[Any, Any]:
+  """The inner optimizer's update on a window's gradient, given the window's
+  totals as extra arguments; the new inner state keeps the old one's dtypes.
+
+  ``optional_args`` (the totals, the window's loss as ``value``) are dropped
+  for an inner optimizer that refuses arguments it does not use: optax's line
+  searches hand every extra argument on to ``value_fn``, and raise a
+  ``TypeError`` naming the ones it did not consume.
+  """
+  inner_state = added.inner_opt_state
+  optional = {
+    WINDOW_WEIGHT: added.acc_weight,
+    WINDOW_MICRO_STEPS: added.mini_step,
+    **optional_args,
+  }
+  try:
+    updates, inner = opt.update(grads, inner_state, params, **extra_args, **optional)
+  except TypeError as e:
+    if not any(name in str(e) for name in optional):
+      raise
+    updates, inner = opt.update(grads, inner_state, params, **extra_args)
+  inner = jax.tree.map(
+    lambda new, old: jnp.asarray(new).astype(jnp.result_type(old)), inner, inner_state
+  )
+  return updates, inner
+
+
+def closed(
+  added: MultiStepsState,
+  ends: jax.Array,
+  nonfinite: jax.Array,
+  applies: jax.Array,
+  inner_opt_state: Any,
+  *,
+  divided_loss: jax.Array,
+  keep_sum: bool = False,
+) -> MultiStepsState:
+  """The state after the window's end (where ``ends``), with the new inner
+  state; ``divided_loss`` is the window's loss (:meth:`MultiSteps.window_loss`)."""
+  window = _window.reset(window_of(added), ends, keep_sum=keep_sum)
+  return added._replace(
+    **window._asdict(),
+    gradient_step=_count_if(applies, added.gradient_step),
+    inner_opt_state=inner_opt_state,
+    updated=applies,
+    skipped_windows=_count_if(nonfinite, added.skipped_windows),
+    last_window_loss=_kept_unless(ends, divided_loss, added.last_window_loss),
+    last_window_weight=_kept_unless(ends, added.acc_weight, added.last_window_weight),
+  )
 
 
 def _count_if(flag: jax.Array, counter: jax.Array) -> jax.Array:
@@ -133,25 +328,11 @@ def _kept_unless(ends: jax.Array, new: jax.Array, old: ArrayLike) -> jax.Array:
   return jnp.where(ends, new, jnp.asarray(old).astype(new.dtype))
 
 
-def _varying_like(x: ArrayLike, aval: Any) -> jax.Array:
-  """``x``, marked as varying over the manual mesh axes ``aval`` varies over."""
-  return varying_over(x, aval.manual_axis_type.varying)
-
-
-def _once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
-  """``fn(init)`` if ``pred`` else ``init``, as a loop that runs once or never.
-
-  Examples:
-    >>> float(_once_if(jnp.array(True), lambda x: x + 1, jnp.array(1.0)))
-    2.0
-    >>> float(_once_if(jnp.array(False), lambda x: x + 1, jnp.array(1.0)))
-    1.0
-  """
-  return jax.lax.while_loop(
-    lambda carry: carry[0],
-    lambda carry: (jnp.zeros_like(carry[0]), fn(carry[1])),
-    (pred, init),
-  )[1]
+def typed_like(x: Any, like: Any) -> jax.Array:
+  """``x``, typed to vary over the manual mesh axes ``like`` (an abstract value
+  from ``jax.eval_shape``) varies over."""
+  types = getattr(like, "manual_axis_type", None)
+  return _reduction.varying_over(x, types.varying if types is not None else ())
 
 
 class MultiSteps:
@@ -280,47 +461,17 @@ class MultiSteps:
       raise ValueError(
         f"`opt` must be an optax.GradientTransformation, got {type(opt).__name__}."
       )
-    if grad_reduction not in ("mean", "sum", "window_mean"):
-      raise ValueError(
-        "`grad_reduction` must be 'mean', 'sum' or 'window_mean', got "
-        f"{grad_reduction!r}."
-      )
-    if on_nonfinite not in ("skip_window", "skip_micro_batch"):
-      raise ValueError(
-        "`on_nonfinite` must be 'skip_window' or 'skip_micro_batch', got "
-        f"{on_nonfinite!r}."
-      )
-    if not isinstance(use_grad_mean, bool | np.bool_):
-      raise ValueError(f"`use_grad_mean` must be a bool, got {use_grad_mean!r}.")
-    if accumulator_dtype is not None and not jnp.issubdtype(
-      accumulator_dtype, jnp.inexact
-    ):
-      raise ValueError(
-        "`accumulator_dtype` must be a floating-point dtype, got "
-        f"{jnp.dtype(accumulator_dtype)}."
-      )
-    self._arguments = dict(
-      opt=opt,
-      every_k_schedule=every_k_schedule,
-      use_grad_mean=use_grad_mean,
-      should_skip_update_fn=should_skip_update_fn,
-      accumulator_dtype=accumulator_dtype,
-      grad_reduction=grad_reduction,
-      axis_name=axis_name,
-      on_nonfinite=on_nonfinite,
+    self.config = MultiStepsConfig(
+      every_k_schedule,
+      use_grad_mean,
+      should_skip_update_fn,
+      None if accumulator_dtype is None else jnp.dtype(accumulator_dtype),
+      grad_reduction,
+      axis_name,
+      on_nonfinite,
     )
+    self._given_opt = opt
     self._opt = optax.with_extra_args_support(opt)
-    self._every_k_schedule = _validated_every_k(every_k_schedule)
-    self._constant_k = None if callable(every_k_schedule) else int(every_k_schedule)
-    # A window_mean window's sum is its mean already.
-    self._use_grad_mean = bool(use_grad_mean) and grad_reduction != "window_mean"
-    self._should_skip_update_fn = should_skip_update_fn
-    self._accumulator_dtype = (
-      None if accumulator_dtype is None else jnp.dtype(accumulator_dtype)
-    )
-    self._grad_reduction = grad_reduction
-    self._axis_name = axis_name
-    self._on_nonfinite = on_nonfinite
 
   def replace(self, **changes: Any) -> MultiSteps:
     """A copy with some constructor arguments changed (``opt=`` included).
@@ -331,46 +482,32 @@ class MultiSteps:
       >>> acc.replace(opt=optax.adam(1e-3)).k_at(0)
       Array(4, dtype=int32)
     """
-    args = {**self._arguments, **changes}
-    return MultiSteps(args.pop("opt"), **args)
+    opt = changes.pop("opt", self._given_opt)
+    return MultiSteps(opt, **{**dataclasses.asdict(self.config), **changes})
 
   @property
   def inner_opt(self) -> optax.GradientTransformationExtraArgs:
     """The wrapped optimizer (with extra-args support)."""
     return self._opt
 
-  def with_axis_name(self, axis_name: AxisName) -> MultiSteps:
-    """A copy of this accumulator that sums over mesh axis ``axis_name``."""
-    copy = object.__new__(MultiSteps)
-    copy.__dict__.update(self.__dict__, _axis_name=axis_name)
-    return copy
+  def k_at(self, update_count: ArrayLike) -> jax.Array:
+    """Micro-batches per window after ``update_count`` updates (int32, >= 1)."""
+    return self.config.k_at(update_count)
 
   @property
   def axis_name(self) -> AxisName | None:
     """The mesh axis (or axes) weights and gradients are summed over, if any."""
-    return self._axis_name
+    return self.config.axis_name
+
+  @property
+  def grad_reduction(self) -> GradReduction:
+    """How the caller reduces each micro-batch's loss over its items."""
+    return self.config.grad_reduction
 
   @property
   def on_nonfinite(self) -> NonFinitePolicy:
     """What a non-finite gradient drops: its micro-batch or its whole window."""
-    return self._on_nonfinite
-
-  @property
-  def constant_k(self) -> int | None:
-    """The window length when ``every_k_schedule`` is an int, else ``None``."""
-    return self._constant_k
-
-  @property
-  def counts_every_micro_batch(self) -> bool:
-    """Whether every micro-batch counts towards ``k`` (no
-    ``should_skip_update_fn`` that could reject one)."""
-    return self._should_skip_update_fn is None
-
-  @property
-  def grad_reduction(self) -> GradReduction:
-    """How the caller reduces each micro-batch's loss: ``"mean"``, ``"sum"``
-    or ``"window_mean"``."""
-    return self._grad_reduction
+    return self.config.on_nonfinite
 
   def window_loss(self, state: MultiStepsState) -> jax.Array:
     """The loss of the window so far, from the ``loss=`` of its micro-batches.
@@ -391,53 +528,33 @@ class MultiSteps:
       >>> float(opt.window_loss(state)), float(state.last_window_loss)
       (0.0, 2.5)
     """
-    if self._grad_reduction == "window_mean":
-      return jnp.asarray(state.acc_loss)
-    positive = state.acc_weight > 0
-    weight = jnp.where(positive, state.acc_weight, jnp.ones_like(state.acc_weight))
-    return jnp.where(positive, state.acc_loss / weight, jnp.zeros_like(weight))
-
-  def _acc_dtype(self, dtype: Any) -> Any:
-    if self._accumulator_dtype is not None:
-      return self._accumulator_dtype
-    floor = jnp.dtype(
-      jnp.complex64 if jnp.issubdtype(dtype, jnp.complexfloating) else jnp.float32
-    )
-    return dtype if jnp.dtype(dtype).itemsize > floor.itemsize else floor
+    shares = self.config.grad_reduction == "window_mean"
+    return _window.mean_loss(window_of(state), shares=shares)
 
   def init(self, params: optax.Params) -> MultiStepsState:
     """Returns the state for a fresh run: an empty window and no updates."""
     _checks.check_inexact_leaves(params, name="params")
-    # zeros_like keeps each leaf's sharding, so the accumulator is sharded like
-    # the params it accumulates for.
-    acc_grads = jax.tree.map(
-      lambda p: jnp.zeros_like(p, dtype=self._acc_dtype(jnp.result_type(p))), params
-    )
-    acc_dtypes = [jnp.dtype(a.dtype) for a in jax.tree.leaves(acc_grads)]
-    weight_dtype = max(
-      [jnp.dtype(jnp.float32)]
-      + [d for d in acc_dtypes if jnp.issubdtype(d, jnp.floating)],
-      key=lambda d: d.itemsize,
-    )
+    window = _window.empty(params, self.config.accumulator_dtype)
     gradient_step = jnp.zeros([], jnp.int32)
     skip_state: Any = ()
-    if self._should_skip_update_fn is not None:
+    if self.config.should_skip_update_fn is not None:
       zeros = jax.tree.map(jnp.zeros_like, params)
-      _, skip_state = self._should_skip_update_fn(zeros, gradient_step, params)
+      _, skip_state = self.config.should_skip_update_fn(zeros, gradient_step, params)
+    zero_count, zero_weight = (
+      jnp.zeros([], jnp.int32),
+      jnp.zeros_like(window.acc_weight),
+    )
     return MultiStepsState(
-      mini_step=jnp.zeros([], jnp.int32),
+      **window._asdict(),
       gradient_step=gradient_step,
       inner_opt_state=self._opt.init(params),
-      acc_grads=acc_grads,
-      acc_weight=jnp.zeros([], weight_dtype),
-      acc_loss=jnp.zeros([], weight_dtype),
       updated=jnp.zeros([], jnp.bool_),
-      skipped_micro_batches=jnp.zeros([], jnp.int32),
-      skipped_windows=jnp.zeros([], jnp.int32),
+      skipped_micro_batches=zero_count,
+      skipped_windows=zero_count,
       skip_state=skip_state,
-      micro_batches_seen=jnp.zeros([], jnp.int32),
-      last_window_loss=jnp.zeros([], weight_dtype),
-      last_window_weight=jnp.zeros([], weight_dtype),
+      micro_batches_seen=zero_count,
+      last_window_loss=zero_weight,
+      last_window_weight=zero_weight,
     )
 
   def update(
@@ -472,400 +589,41 @@ class MultiSteps:
       The inner optimizer's updates on the call that ends a window with
       positive weight, exact zeros on every other call; and the new state.
     """
-    if loss is not None and "value" in extra_args:
-      raise ValueError(
-        "Pass `loss=` or `value=`, not both: with `loss=` the inner optimizer "
-        "(optax.contrib.reduce_on_plateau) gets the window's loss as `value`."
-      )
-    added, counted = self.add(updates, state, params, weight=weight, loss=loss)
-    optional_args = None if loss is None else {"value": self.window_loss(added)}
-    ends = self.window_ends(added, counted, end_window)
-    new_updates, new_state, _ = self.close(
-      added, ends, params, grads_like=updates, optional_args=optional_args, **extra_args
+    check_extra_args(extra_args, loss)
+    reduction = _reduction.policy(self.config.axis_name)
+    added, counted = add_micro_batch(
+      self.config, state, updates, params, weight=weight, loss=loss, reduction=reduction
+    )
+    ends = window_ends(self.config, added, counted, end_window)
+    optional = {} if loss is None else {"value": self.window_loss(added)}
+
+    def finish() -> tuple[Any, Any, jax.Array]:
+      window = window_of(added)
+      grads, squares = _window.finish(window, updates, self.config.divides)
+      finite = ~reduction.any(_window.nonfinite(window, squares), added.acc_weight)
+      new, inner = run_inner(self._opt, grads, added, params, extra_args, optional)
+      new = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new)
+      old = added.inner_opt_state
+      inner = jax.tree.map(lambda n, o: jnp.where(finite, n, o), inner, old)
+      return new, inner, finite
+
+    def hold() -> tuple[Any, Any, jax.Array]:  # Typed like finish's outputs.
+      new, inner, finite = jax.eval_shape(finish)
+      zeros = jax.tree.map(lambda a: typed_like(jnp.zeros(a.shape, a.dtype), a), new)
+      unchanged = jax.tree.map(typed_like, added.inner_opt_state, inner)
+      return zeros, unchanged, typed_like(jnp.array(False), finite)
+
+    positive = ends & (added.acc_weight > 0)
+    new_updates, inner, finite = jax.lax.cond(positive, finish, hold)
+    new_state = closed(
+      added,
+      ends,
+      positive & ~finite,
+      positive & finite,
+      inner,
+      divided_loss=self.window_loss(added),
     )
     return new_updates, new_state
-
-  def add(
-    self,
-    updates: optax.Updates,
-    state: MultiStepsState,
-    params: optax.Params | None = None,
-    *,
-    weight: ArrayLike | None = None,
-    loss: ArrayLike | None = None,
-    reduce_gradient: bool = True,
-  ) -> tuple[MultiStepsState, jax.Array]:
-    """First half of :meth:`update`: adds a micro-batch, never ends the window.
-
-    Building block for train steps that know the window cannot end on this
-    micro-batch (the accumulate-only program of ``make_train_step``), or that
-    end it themselves with :meth:`close` (scan mode).
-
-    With ``axis_name`` and ``reduce_gradient=False``, the weighted gradient is
-    added to this replica's own partial sum instead of being summed over the
-    replicas now: ``acc_grads`` then differs per replica (the weight, loss and
-    counters do not), and the caller sums it once with :meth:`replica_sum`
-    before :meth:`close`: one gradient reduction per window instead of one
-    per micro-batch. A gradient JAX already summed over the replicas is added
-    on the first replica only.
-
-    Returns:
-      The state with the micro-batch added (``updated`` False), and whether
-      the micro-batch counts towards ``k`` (not rejected by
-      ``should_skip_update_fn``).
-    """
-    _checks.check_tree_matches(
-      updates,
-      state.acc_grads,
-      name="updates",
-      ref_name="the accumulator (from init(params))",
-    )
-    weight_dtype = state.acc_weight.dtype
-    if weight is None:
-      if self._grad_reduction == "sum":
-        raise ValueError(
-          "`weight` is required with grad_reduction='sum': the number of "
-          "items behind each summed-loss gradient normalises the window."
-        )
-      weight = 1
-    w = _checks.scalar(weight, name="weight", dtype=weight_dtype)
-
-    summed = None if self._axis_name is None else ReplicaSum(self._axis_name)
-    if summed is not None and summed.tracked:
-      # `weight` is each replica's own, whatever its type says: a constant (or
-      # the default 1) is the same on every replica but still sums over them,
-      # as it does under pmap or check_vma=False.
-      w = varying_over(w, summed.axes)
-    skip_state = state.skip_state
-    counted = jnp.array(True)
-    if self._should_skip_update_fn is not None:
-      skip, skip_state = self._should_skip_update_fn(
-        updates, state.gradient_step, params
-      )
-      if (jnp.result_type(skip), jnp.shape(skip)) != (jnp.bool_, ()):
-        raise ValueError(
-          "`should_skip_update_fn` must return a bool scalar, got dtype "
-          f"{jnp.result_type(skip)} and shape {jnp.shape(skip)}."
-        )
-      if summed is not None:
-        # A rejection on any replica rejects the micro-batch on all of them, so
-        # every replica keeps the same window, and the same `skip_state`: its
-        # leaves' maximum over the replicas.
-        skip = summed(jnp.asarray(skip).astype(jnp.int32)) > 0
-        skip_state = replica_max(skip_state, summed)
-      counted = jnp.logical_not(skip)
-
-    # Negative or non-finite weights count towards k but add nothing. The
-    # `where` (not a product with 0) keeps a NaN gradient out of the sum. A bad
-    # weight on any replica drops the micro-batch on all of them (and on every
-    # model shard), like a rejection, and is counted once.
-    window = (w, state.acc_weight)
-    dropped = on_any_shard(
-      counted & ~(jnp.isfinite(w) & (w >= 0)), self._axis_name, window=window
-    )
-    adds = counted & ~dropped & (w > 0)
-    if self._on_nonfinite == "skip_micro_batch":
-      bad = adds & ~_all_finite(updates, () if loss is None else loss)
-      bad = on_any_shard(bad, self._axis_name, window=window)
-      adds, dropped = adds & ~bad, dropped | (counted & bad)
-    w = jnp.where(adds, w, jnp.zeros_like(w))
-    total_w = w if summed is None else summed(w)  # Over all replicas.
-
-    def contribution(
-      x: ArrayLike, dtype: Any, name: str, reduce: bool = True
-    ) -> jax.Array:
-      # Weights and their products stay at least as wide as the weight (float32)
-      # whatever the accumulator dtype: a float16 accumulator must not turn a
-      # weight of 70000 into inf, nor a bfloat16 one 257 into 256.
-      dtype = _wider(dtype, weight_dtype)
-      x = jnp.asarray(x).astype(dtype)
-      if summed is None:
-        local_axes: tuple[str, ...] = ()
-        keep = adds
-      else:
-        local_axes = summed.local_axes(x)
-        missing = set(summed.local_axes(w)) - set(local_axes)
-        if missing and self._grad_reduction == "mean":
-          raise ValueError(
-            f"{name} is already summed over mesh axis {sorted(missing)[0]!r} "
-            "(JAX's autodiff sums the gradient of params that enter shard_map "
-            "replicated), so the per-replica weights cannot be applied. Use "
-            "grad_reduction='sum' with a summed loss, or make the params "
-            "per-replica first: jax.lax.pcast(params, axis, to='varying') "
-            "(make_train_step does this)."
-          )
-        # A value already summed over the replicas is masked by the total.
-        keep = adds if local_axes else counted & (total_w > 0)
-      if self._grad_reduction == "mean":
-        # A per-replica mean weighs by its replica's items; an already-global
-        # one (weight invariant too) by the total.
-        x = x * (w if summed is None or local_axes else total_w).astype(dtype)
-      x = jnp.where(keep, x, jnp.zeros_like(x))
-      if summed is None:
-        return x
-      if not reduce:
-        # This replica's share of the sum `replica_sum` takes later: a value
-        # already summed over some axes counts on their first replica only.
-        summed_axes = tuple(a for a in summed.axes if a not in local_axes)
-        if summed_axes:
-          first = replica_index(summed_axes) == 0
-          x = jnp.where(first, x, jnp.zeros_like(x))
-        return varying_over(x, summed.axes) if summed.tracked else x
-      return jax.lax.psum(x, local_axes) if local_axes else x
-
-    acc_loss = state.acc_loss
-    if loss is not None:
-      loss = _checks.scalar(loss, name="loss", dtype=weight_dtype)
-      acc_loss = acc_loss + contribution(loss, acc_loss.dtype, "`loss`")
-    # A window's first micro-batch overwrites whatever the accumulator holds
-    # (see `close(empty_accumulator=False)`): a select fused into the add.
-    first = state.mini_step == 0
-
-    def accumulate(path: Any, acc: jax.Array, g: Any) -> jax.Array:
-      name = f"`updates` leaf {jax.tree_util.keystr(path)}"
-      term = contribution(g, acc.dtype, name, reduce_gradient)
-      # Added in the product's dtype: one rounding to the accumulator's.
-      start = jnp.where(first, jnp.zeros_like(acc), acc).astype(term.dtype)
-      return (start + term).astype(acc.dtype)
-
-    acc_grads = jax.tree_util.tree_map_with_path(accumulate, state.acc_grads, updates)
-    added = state._replace(
-      mini_step=jnp.where(
-        counted, optax.safe_increment(state.mini_step), state.mini_step
-      ),
-      acc_grads=acc_grads,
-      acc_weight=state.acc_weight + total_w,
-      acc_loss=acc_loss,
-      updated=jnp.zeros_like(state.updated),
-      skipped_micro_batches=_count_if(dropped, state.skipped_micro_batches),
-      skip_state=skip_state,
-      micro_batches_seen=optax.safe_increment(
-        jnp.asarray(state.micro_batches_seen, jnp.int32)
-      ),
-    )
-    return added, counted
-
-  def replica_sum(self, acc_grads: optax.Updates) -> optax.Updates:
-    """The replicas' partial sums from ``add(..., reduce_gradient=False)``,
-    summed over ``axis_name``: one reduction for the window."""
-    if self._axis_name is None:
-      return acc_grads
-    summed = ReplicaSum(self._axis_name)
-    return jax.tree.map(summed, acc_grads)
-
-  def k_at(self, gradient_step: ArrayLike) -> jax.Array:
-    """Micro-batches per window after ``gradient_step`` updates (int32, >= 1)."""
-    k = jnp.asarray(self._every_k_schedule(jnp.asarray(gradient_step)))
-    return jnp.maximum(k.astype(jnp.int32), 1)
-
-  def window_ends(
-    self,
-    added: MultiStepsState,
-    counted: ArrayLike,
-    end_window: ArrayLike | None = None,
-  ) -> jax.Array:
-    """Whether the micro-batch just added (see :meth:`add`) ends the window."""
-    ends = jnp.asarray(counted) & (added.mini_step >= self.k_at(added.gradient_step))
-    if end_window is not None:
-      ends = ends | _checks.scalar(end_window, name="end_window", dtype=jnp.bool_)
-    return ends
-
-  def close(
-    self,
-    added: MultiStepsState,
-    ends: ArrayLike,
-    params: optax.Params | None = None,
-    *,
-    grads_like: optax.Updates | None = None,
-    optional_args: dict[str, Any] | None = None,
-    apply_to: optax.Params | None = None,
-    branchless: bool = False,
-    empty_accumulator: bool = True,
-    **extra_args: Any,
-  ) -> tuple[optax.Updates, MultiStepsState, jax.Array]:
-    """Second half of :meth:`update`: ends the window if ``ends`` is true.
-
-    Args:
-      added: A state returned by :meth:`add`.
-      ends: Bool scalar: end the window now.
-      params: Forwarded to the inner optimizer.
-      grads_like: Tree whose leaf dtypes the window gradient is cast to before
-        the inner optimizer sees it; defaults to ``params``.
-      optional_args: Extra arguments the inner optimizer gets unless it
-        refuses them, like the window totals (``make_train_step`` passes the
-        window's loss as ``value``).
-      apply_to: Optional params: return them updated (unchanged when no
-        update applies) instead of the updates. Applying inside the
-        conditional saves materialising a tree of zeros and adding it.
-      branchless: Run the inner optimizer in a ``while_loop`` that runs once
-        if the window ends with positive weight and a finite sum, and never
-        otherwise, instead of a ``lax.cond``. XLA updates the loop's carry
-        (params, optimizer state) in place, where a ``cond`` or a select
-        between new and old values copies them first; on CPU it is also much
-        faster than a ``cond``. For callers that call ``close`` when the
-        window is about to end. Not reverse-mode differentiable (a
-        ``while_loop``).
-      empty_accumulator: Zero ``acc_grads`` when the window ends (default).
-        ``False`` leaves the window's sum there, for the next :meth:`add` to
-        overwrite (a window's first micro-batch ignores what the accumulator
-        holds): zeroing it in a program that also reads it makes XLA copy it.
-      **extra_args: Forwarded to the inner optimizer.
-
-    Returns:
-      ``(updates, state, grad_norm)``: the inner optimizer's updates (exact
-      zeros unless the window ends with positive weight), the new state, and
-      the global norm of the window gradient that was applied (0 if none;
-      float32, its squares summed in the weight's dtype: inf when they
-      overflow, from elements above ~1e19 in float32, while the update still
-      applies).
-    """
-    for name in (WINDOW_WEIGHT, WINDOW_MICRO_STEPS):
-      if name in extra_args:
-        raise ValueError(
-          f"`{name}` is reserved: MultiSteps passes the window's totals to the "
-          "inner optimizer itself."
-        )
-    if grads_like is None:
-      grads_like = params if params is not None else added.acc_grads
-    ends = jnp.asarray(ends)
-    acc_weight = added.acc_weight
-    positive = ends & (acc_weight > 0)
-    scale = acc_weight if self._use_grad_mean else jnp.ones_like(acc_weight)
-    inverse = 1 / scale  # In the weight's dtype: float32 at least.
-
-    def window_grad(acc: jax.Array, like: Any) -> jax.Array:
-      # A product with the reciprocal (within 1 ulp of the quotient): XLA
-      # fuses it into the optimizer's ops, where a quotient gets a buffer.
-      dtype = _wider(acc.dtype, inverse.dtype)
-      product = acc.astype(dtype) * inverse.astype(dtype)
-      return product.astype(jnp.result_type(like))
-
-    def window_squares() -> jax.Array:
-      # The squared norm of the gradient the inner optimizer would receive,
-      # each element in its leaf's dtype, summed in the weight's dtype, plus
-      # `g - g`: NaN exactly when an element is not finite (inf - inf is NaN),
-      # whether the sum, the product or the cast to a float16 leaf overflowed;
-      # inf when only the squares overflow. One pass serves the finite check
-      # and the norm; XLA does not simplify `x - x` to 0. (`x * 0` does the
-      # same, but XLA:CPU then writes a leaf-shaped array of zeros and every
-      # leaf's reduction reads it: 38 MB more per update, 4.2 MB more scratch,
-      # on an MLP of eight 1024 x 1024 leaves.)
-      squares = [
-        jnp.sum(jnp.square(g) + (g - g))
-        for g in jax.tree.leaves(
-          jax.tree.map(
-            lambda acc, like: jnp.abs(window_grad(acc, like)).astype(acc_weight.dtype),
-            added.acc_grads,
-            grads_like,
-          )
-        )
-      ]
-      return sum(squares, jnp.zeros([], acc_weight.dtype))
-
-    def nonfinite_window(squares: jax.Array | None = None) -> jax.Array:
-      # A NaN or Inf anywhere in the window, on any model shard, skips it.
-      squares = window_squares() if squares is None else squares
-      flag = jnp.isnan(squares) | ~_all_finite(added.acc_loss, acc_weight)
-      return on_any_shard(flag, self._axis_name, window=acc_weight)
-
-    squares: jax.Array | None = None
-    if branchless:  # One pass serves the check and the metric.
-      squares = window_squares()
-      nonfinite = positive & nonfinite_window(squares)
-    else:  # Only the call that ends a window reads its whole accumulator.
-      aval = jax.make_jaxpr(nonfinite_window)().out_avals[0]
-      nonfinite = jax.lax.cond(
-        positive, nonfinite_window, lambda: _varying_like(jnp.array(False), aval)
-      )
-    applies = positive & ~nonfinite
-    inner_state = added.inner_opt_state
-
-    def apply_update(
-      inner_state: optax.OptState = inner_state,
-      apply_to: optax.Params | None = apply_to,
-      params: optax.Params | None = params,
-    ) -> tuple[optax.Updates, optax.OptState, jax.Array]:
-      grads = jax.tree.map(window_grad, added.acc_grads, grads_like)
-      optional = {
-        WINDOW_WEIGHT: acc_weight,
-        WINDOW_MICRO_STEPS: added.mini_step,
-        **(optional_args or {}),
-      }
-      try:
-        new_updates, inner = self._opt.update(
-          grads, inner_state, params, **extra_args, **optional
-        )
-      except TypeError as e:
-        if not any(name in str(e) for name in optional):
-          raise
-        # The inner optimizer rejects extra arguments it does not use (as
-        # optax's line searches do): it runs without the optional ones.
-        new_updates, inner = self._opt.update(grads, inner_state, params, **extra_args)
-      # Keep the inner state's dtypes so both branches of the cond agree.
-      inner = jax.tree.map(
-        lambda new, old: jnp.asarray(new).astype(jnp.result_type(old)),
-        inner,
-        inner_state,
-      )
-      grad_norm = jnp.sqrt(window_squares() if squares is None else squares)
-      if apply_to is not None:
-        new_updates = optax.apply_updates(apply_to, new_updates)
-      return new_updates, inner, grad_norm.astype(jnp.float32)
-
-    def hold() -> tuple[optax.Updates, optax.OptState, jax.Array]:
-      # Outputs typed like the update branch's, including, inside shard_map,
-      # the mesh axes they vary over.
-      jaxpr, shapes = jax.make_jaxpr(apply_update, return_shape=True)()
-      avals = jax.tree.unflatten(jax.tree.structure(shapes), jaxpr.out_avals)
-      if apply_to is None:
-        unchanged = jax.tree.map(
-          lambda a: _varying_like(jnp.zeros(a.shape, a.dtype), a), avals[0]
-        )
-      else:
-        unchanged = jax.tree.map(_varying_like, apply_to, avals[0])
-      norm = _varying_like(jnp.zeros(avals[2].shape, avals[2].dtype), avals[2])
-      return unchanged, jax.tree.map(_varying_like, inner_state, avals[1]), norm
-
-    def reset(x: jax.Array) -> jax.Array:
-      return jnp.where(ends, jnp.zeros_like(x), x)
-
-    if branchless:
-      # The update runs in a loop that runs once or never: XLA updates a loop's
-      # carry in place, where a select between the new and the old values (or
-      # a cond) keeps both alive and copies params and optimizer state first.
-      in_place = apply_to is not None and apply_to is params
-
-      def update(carry: Any) -> Any:
-        out, inner, _ = carry
-        applied_to = None if apply_to is None else out
-        return apply_update(inner, applied_to, out if in_place else params)
-
-      new_updates, inner_opt_state, grad_norm = _once_if(applies, update, hold())
-    else:
-      new_updates, inner_opt_state, grad_norm = jax.lax.cond(
-        applies, apply_update, hold
-      )
-    acc_grads = added.acc_grads
-    if empty_accumulator:
-      acc_grads = jax.tree.map(reset, acc_grads)
-
-    new_state = added._replace(
-      mini_step=reset(added.mini_step),
-      gradient_step=jnp.where(
-        applies, optax.safe_increment(added.gradient_step), added.gradient_step
-      ),
-      inner_opt_state=inner_opt_state,
-      acc_grads=acc_grads,
-      acc_weight=reset(acc_weight),
-      acc_loss=reset(added.acc_loss),
-      updated=applies,
-      skipped_windows=_count_if(nonfinite, added.skipped_windows),
-      last_window_loss=_kept_unless(
-        ends, self.window_loss(added), added.last_window_loss
-      ),
-      last_window_weight=_kept_unless(ends, acc_weight, added.last_window_weight),
-    )
-    return new_updates, new_state, grad_norm
 
   def has_updated(self, state: MultiStepsState) -> jax.Array:
     """Whether the call that produced ``state`` applied an optimizer update.
@@ -878,3 +636,18 @@ class MultiSteps:
   def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
     """This accumulator as an ``optax.GradientTransformationExtraArgs``."""
     return optax.GradientTransformationExtraArgs(init=self.init, update=self.update)
+
+
+def check_extra_args(extra_args: dict[str, Any], loss: Any) -> None:
+  """Raises ``ValueError`` for extra arguments the accumulator sets itself."""
+  for name in (WINDOW_WEIGHT, WINDOW_MICRO_STEPS):
+    if name in extra_args:
+      raise ValueError(
+        f"`{name}` is reserved: MultiSteps passes the window's totals to the "
+        "inner optimizer itself."
+      )
+  if loss is not None and "value" in extra_args:
+    raise ValueError(
+      "Pass `loss=` or `value=`, not both: with `loss=` the inner optimizer "
+      "(optax.contrib.reduce_on_plateau) gets the window's loss as `value`."
+    )

@@ -12,7 +12,6 @@ keeps one params-sized sum, as a replicated accumulator would.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -20,13 +19,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum._collectives import AxisName
-
-
-def _axes(entry: Any) -> tuple[str, ...]:
-  if entry is None:
-    return ()
-  return (entry,) if isinstance(entry, str) else tuple(entry)
+from optax_accum._checks import axes as _axes
+from optax_accum._programs import Programs
+from optax_accum._reduction import AxisName
 
 
 class DataLayout(NamedTuple):
@@ -139,20 +134,14 @@ def has_partial_sums(acc: Any, params: Any) -> bool:
 
 
 def sharded_programs(
-  layout: DataLayout,
-  accumulate: Callable[..., Any],
-  update: Callable[..., Any],
-  *,
-  scan: bool,
-  donate: bool,
-  has_aux: bool,
+  layout: DataLayout, bodies: Programs, *, scan: bool, donate: bool
 ) -> tuple[Any, Any]:
   """The step's accumulate and update programs, run in a ``shard_map``.
 
-  ``accumulate`` and ``update`` are the step's in-graph bodies, called with
-  ``partial=True``: each replica adds its own rows to its own partial sum. The
-  accumulator's leading axis, the batch's rows and ``aux`` (which gains a
-  replica axis) are split over the data axes; everything else is replicated.
+  ``bodies`` keep each replica's weighted gradients in its own partial sum
+  (a reduction policy with ``at_window_end``). The accumulator's leading
+  axis, the batch's rows and ``aux`` (which gains a replica axis) are split
+  over the data axes; everything else is replicated.
   """
   rows = P(None, *layout.spec()) if scan else layout.spec()
   split, whole = layout.spec(), P()
@@ -164,16 +153,17 @@ def sharded_programs(
     return jax.tree.map(lambda a: jnp.expand_dims(a, axis), x)
 
   def accumulate_here(params: Any, acc: Any, counters: Any, batch: Any, rng: Any):
-    acc, counters, loss, grad_norm, aux = accumulate(
-      params, one(acc), counters, batch, rng, partial=True
+    acc, counters, loss, grad_norm, aux = bodies.accumulate(
+      params, one(acc), counters, batch, rng
     )
     return stack(acc), counters, loss, grad_norm, stack(aux)
 
   def update_here(
     params: Any, inner: Any, acc: Any, counters: Any, batch: Any, rng: Any, *end: Any
   ) -> Any:
+    update = bodies.scan if scan else bodies.update
     params, inner, acc, counters, metrics = update(
-      params, inner, one(acc), counters, batch, rng, *end, partial=True
+      params, inner, one(acc), counters, batch, rng, *end
     )
     aux = metrics.pop("aux", None)
     return params, inner, stack(acc), counters, metrics, stack(aux, int(scan))
@@ -205,7 +195,7 @@ def sharded_programs(
   def with_aux(fn: Any) -> Any:  # aux back into the metrics, where users read it.
     def run(*args: Any) -> Any:
       *out, aux = fn(*args)
-      if has_aux:
+      if bodies.has_aux:
         out[-1] = {**out[-1], "aux": aux}
       return tuple(out)
 

@@ -1,4 +1,10 @@
-"""``make_train_step``: a jitted accumulation step that always applies its update."""
+"""``make_train_step``: a jitted accumulation step that always applies its update.
+
+The host side: which compiled program runs for a call (:mod:`optax_accum._programs`
+holds their bodies), what the host knows about the state it returned last, and
+the accumulator's layout under plain ``jit`` with ``axis_name``
+(:mod:`optax_accum._replicas`).
+"""
 
 from __future__ import annotations
 
@@ -11,15 +17,18 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike
 
-from optax_accum import _checks
-from optax_accum._collectives import (
-  AxisName,
-  ReplicaSum,
-  replica_index,
-  varying_over,
-)
-from optax_accum._inspect import find_states, get_hyperparams
+from optax_accum import _checks, _reduction
+from optax_accum._inspect import find_states
 from optax_accum._multi_steps import EveryKSchedule, MultiSteps, MultiStepsState
+from optax_accum._programs import (
+  Metrics,
+  Programs,
+  counters,
+  joined,
+  learning_rate,
+  metrics,
+)
+from optax_accum._reduction import AxisName
 from optax_accum._replicas import (
   DataLayout,
   data_layout,
@@ -30,7 +39,6 @@ from optax_accum._replicas import (
 )
 
 Mode = Literal["stream", "scan"]
-Metrics = dict[str, Any]
 StepOutput = tuple[optax.Params, MultiStepsState, Metrics]
 
 
@@ -43,40 +51,6 @@ def _host_int(x: jax.Array) -> int:
   if getattr(x, "is_fully_addressable", True):
     return int(jax.device_get(x))
   return int(np.asarray(x.addressable_shards[0].data))
-
-
-def _per_replica(params: Any, summed: ReplicaSum) -> Any:
-  """``params`` marked as differing per replica, so their gradients stay local.
-
-  Inside ``shard_map`` JAX would otherwise sum the gradient of replicated
-  params over the replicas before the per-replica token weights are applied.
-  """
-  if not summed.tracked:
-    return params
-  for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
-    sharded = set(summed.local_axes(p))
-    if sharded:
-      raise ValueError(
-        f"params{jax.tree_util.keystr(path)} differs per replica over mesh axis "
-        f"{sorted(sharded)[0]!r}, the data axis `axis_name` sums over: params "
-        "sharded over the data axis (FSDP, ZeRO) would have their gradients "
-        "summed twice. Pass params replicated over it (in_specs P() or P over "
-        "a model axis only), or shard them over the data axis under plain jit "
-        "without axis_name, where XLA reduce-scatters each micro-batch's "
-        "gradient."
-      )
-  return jax.tree.map(lambda p: varying_over(p, summed.axes), params)
-
-
-def _local_zeros(axis_name: AxisName) -> Callable[[jax.Array], jax.Array]:
-  """Zeros like an array, marked as this replica's own over ``axis_name``."""
-  summed = ReplicaSum(axis_name)
-
-  def zeros(x: jax.Array) -> jax.Array:
-    zeros = jnp.zeros_like(x)
-    return varying_over(zeros, summed.axes) if summed.tracked else zeros
-
-  return zeros
 
 
 def _unaliased(donated: Any, kept: Any) -> Any:
@@ -99,19 +73,21 @@ def _unaliased(donated: Any, kept: Any) -> Any:
   return jax.tree.map(fresh, donated)
 
 
-def _counters(state: MultiStepsState) -> MultiStepsState:
-  """``state`` without its params-sized parts: the counters and window totals.
-
-  The programs take the params-sized parts (params, inner optimizer state,
-  accumulator) as separate, donated arguments and these as plain ones: never
-  donated, so the metrics a step returns can share them and stay readable
-  after later steps.
-  """
-  return state._replace(inner_opt_state=None, acc_grads=None)
+def _check_state(opt_state: Any) -> None:
+  if not isinstance(opt_state, MultiStepsState):
+    raise ValueError(
+      "`opt_state` must come from step.init(params) (or optimizer.init(params) "
+      "of the optax_accum.MultiSteps given to make_train_step), got "
+      f"{type(opt_state).__module__}.{type(opt_state).__qualname__}."
+    )
 
 
-def _joined(counters: MultiStepsState, inner: Any, acc: Any) -> MultiStepsState:
-  return counters._replace(inner_opt_state=inner, acc_grads=acc)
+def _check_scan_end_window(end_window: Any) -> None:
+  _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
+  if _is_traced(end_window) or bool(end_window):
+    raise ValueError(
+      "`end_window` is for streaming: in scan mode every call ends a window."
+    )
 
 
 _UNKNOWN: Any = object()  # A learning rate not looked up yet.
@@ -136,6 +112,15 @@ class _Known(NamedTuple):
     return (
       state.mini_step is self.mini_step and state.gradient_step is self.gradient_step
     )
+
+  def counts(self, state: MultiStepsState, optimizer: MultiSteps) -> tuple[int, int]:
+    """The window's micro-batches so far and its length, read from ``state``
+    where not known."""
+    value = _host_int(state.mini_step) if self.value is None else self.value
+    k = self.k
+    if k is None:
+      k = int(optimizer.k_at(_host_int(state.gradient_step)))
+    return value, k
 
 
 class TrainStep:
@@ -181,14 +166,17 @@ class TrainStep:
     self.mode = mode
     self.has_aux = has_aux
     self.donate = donate
+    self._bodies = Programs(
+      loss_fn, optimizer, has_aux, _reduction.policy(optimizer.config.axis_name)
+    )
     # Donated: params, inner optimizer state and accumulator (not the counters).
     self.update_program = jax.jit(
-      self._scan if mode == "scan" else self._update,
+      self._bodies.scan if mode == "scan" else self._bodies.update,
       donate_argnums=(0, 1, 2) if donate else (),
     )
     # Donated: the accumulator only. Params are read, not returned.
     self.accumulate_program = jax.jit(
-      self._accumulate, donate_argnums=(1,) if donate else ()
+      self._bodies.accumulate, donate_argnums=(1,) if donate else ()
     )
     self._sharded_programs: dict[DataLayout, tuple[Any, Any]] = {}
     self._known: _Known | None = None
@@ -202,84 +190,69 @@ class TrainStep:
     *,
     end_window: ArrayLike = False,
   ) -> StepOutput:
-    if not isinstance(opt_state, MultiStepsState):
-      raise ValueError(
-        "`opt_state` must come from step.init(params) (or optimizer.init(params) "
-        "of the optax_accum.MultiSteps given to make_train_step), got "
-        f"{type(opt_state).__module__}.{type(opt_state).__qualname__}."
-      )
+    _check_state(opt_state)
     if self.mode == "scan":
-      _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
-      if _is_traced(end_window) or bool(end_window):
-        raise ValueError(
-          "`end_window` is for streaming: in scan mode every call ends a window."
-        )
+      _check_scan_end_window(end_window)
       opt_state, layout = self._arranged(params, opt_state, batch)
       return self._run_update(params, opt_state, batch, rng, layout=layout)
     if end_window is not False:  # Checked on every micro-step, not only the last.
       _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
-    counters = (opt_state.mini_step, opt_state.gradient_step, end_window)
-    if any(isinstance(x, jax.core.Tracer) for x in counters):
+    if _is_traced(opt_state.mini_step, opt_state.gradient_step, end_window):
       opt_state, _ = self._arranged(params, opt_state, batch)
       return self._run_update(params, opt_state, batch, rng, end_window)
-
-    known = self._known
-    hit = known is not None and known.describes(opt_state)
-    if known is None or not hit:
-      opt_state, layout = self._arranged(params, opt_state, batch)
-      known = _Known(
-        opt_state.mini_step,
-        opt_state.gradient_step,
-        None,
-        None,
-        None,
-        _UNKNOWN,
-        layout,
-      )
-    layout = known.layout
-    mini_step = _host_int(opt_state.mini_step) if known.value is None else known.value
-    k = known.k
-    if k is None:
-      k = int(self.optimizer.k_at(_host_int(opt_state.gradient_step)))
-    ends = bool(end_window) or mini_step + 1 >= k
-    learning_rate = known.learning_rate
+    known, opt_state, hit = self._recalled(params, opt_state, batch)
+    value, k = known.counts(opt_state, self.optimizer)
+    ends = bool(end_window) or value + 1 >= k
     if ends:
       fresh = params is known.params  # Returned by the update program.
-      params, opt_state, metrics = self._run_update(
+      out = self._run_update(
         params,
         opt_state,
         batch,
         rng,
         end_window,
         check_aliasing=not fresh,
-        layout=layout,
+        layout=known.layout,
       )
-      learning_rate = metrics.get("learning_rate")
     else:
-      if learning_rate is _UNKNOWN:
-        learning_rate = _copied_learning_rate(opt_state)
-      params, opt_state, metrics = self._run_accumulate(
-        params,
-        opt_state,
-        batch,
-        rng,
-        learning_rate,
-        check_aliasing=not hit,
-        layout=layout,
+      lr = known.learning_rate
+      lr = jax.tree.map(jnp.copy, learning_rate(opt_state)) if lr is _UNKNOWN else lr
+      known = known._replace(learning_rate=lr)
+      out = self._run_accumulate(
+        params, opt_state, batch, rng, lr, check_aliasing=not hit, layout=known.layout
       )
-    if isinstance(opt_state.mini_step, jax.core.Tracer):
-      return params, opt_state, metrics  # Called with traced params or batch.
-    counts = self.optimizer.counts_every_micro_batch
-    self._known = _Known(
+    if not isinstance(out[1].mini_step, jax.core.Tracer):  # Traced params or batch.
+      self._remember(known._replace(value=value, k=k), out, ends)
+    return out
+
+  def _recalled(
+    self, params: Any, opt_state: MultiStepsState, batch: Any
+  ) -> tuple[_Known, MultiStepsState, bool]:
+    """What the host knows of ``opt_state`` (read from the device where not),
+    the state in this call's layout, and whether the step returned it last."""
+    known = self._known
+    hit = known is not None and known.describes(opt_state)
+    if known is None or not hit:
+      opt_state, layout = self._arranged(params, opt_state, batch)
+      known = _Known(
+        opt_state.mini_step, opt_state.gradient_step, None, None, None, _UNKNOWN, layout
+      )
+    return known, opt_state, hit
+
+  def _remember(self, known: _Known, out: StepOutput, ends: bool) -> None:
+    """Keeps what the host knows of the state this call returns (``known``:
+    of the state it was called with, its counts filled in)."""
+    params, opt_state, metrics_ = out
+    config = self.optimizer.config
+    value = 0 if ends else (known.value or 0) + 1
+    self._known = known._replace(
       mini_step=opt_state.mini_step,
       gradient_step=opt_state.gradient_step,
-      value=(0 if ends else mini_step + 1) if counts else None,
-      k=None if ends and self.optimizer.constant_k is None else k,
+      value=value if config.counts_every_micro_batch else None,
+      k=None if ends and config.constant_k is None else known.k,
       params=params if ends else known.params,
-      learning_rate=learning_rate,
-      layout=layout,
+      learning_rate=metrics_.get("learning_rate") if ends else known.learning_rate,
     )
-    return params, opt_state, metrics
 
   def init(self, params: optax.Params) -> MultiStepsState:
     """The optimizer state to start a run from: ``self.optimizer.init(params)``.
@@ -313,7 +286,7 @@ class TrainStep:
     """
     opt_state, layout = self._arranged(params, opt_state, batch)
     accumulate_program, update_program = self._programs(layout)
-    split = (opt_state.inner_opt_state, opt_state.acc_grads, _counters(opt_state))
+    split = (opt_state.inner_opt_state, opt_state.acc_grads, counters(opt_state))
     if program == "accumulate" and self.mode == "stream":
       return accumulate_program.lower(params, *split[1:], batch, rng)
     if program != "update":
@@ -337,13 +310,12 @@ class TrainStep:
     else one sum. Called for a state the step did not return last.
     """
     acc = opt_state.acc_grads
-    if self.optimizer.axis_name is None or _is_traced(params, opt_state, batch):
+    axis_name = self.optimizer.config.axis_name
+    if axis_name is None or _is_traced(params, opt_state, batch):
       if has_partial_sums(acc, params):
         opt_state = opt_state._replace(acc_grads=summed(acc, params))
       return opt_state, None
-    layout = data_layout(
-      self.optimizer.axis_name, params, batch, scan=self.mode == "scan"
-    )
+    layout = data_layout(axis_name, params, batch, scan=self.mode == "scan")
     return opt_state._replace(acc_grads=per_replica(acc, params, layout)), layout
 
   def _programs(self, layout: DataLayout | None) -> tuple[Any, Any]:
@@ -351,13 +323,10 @@ class TrainStep:
     if layout is None:
       return self.accumulate_program, self.update_program
     if layout not in self._sharded_programs:
+      policy = _reduction.policy(layout.axes, at_window_end=True)
+      bodies = Programs(self.loss_fn, self.optimizer, self.has_aux, policy)
       self._sharded_programs[layout] = sharded_programs(
-        layout,
-        self._accumulate,
-        self._scan if self.mode == "scan" else self._update,
-        scan=self.mode == "scan",
-        donate=self.donate,
-        has_aux=self.has_aux,
+        layout, bodies, scan=self.mode == "scan", donate=self.donate
       )
     return self._sharded_programs[layout]
 
@@ -373,16 +342,16 @@ class TrainStep:
   ) -> StepOutput:
     if self.donate and check_aliasing and not _is_traced(params, opt_state):
       params, opt_state = _unaliased((params, opt_state), (batch, rng))
-    params, inner, acc, counters, metrics = self._programs(layout)[1](
+    params, inner, acc, counters_, metrics_ = self._programs(layout)[1](
       params,
       opt_state.inner_opt_state,
       opt_state.acc_grads,
-      _counters(opt_state),
+      counters(opt_state),
       batch,
       rng,
       *end_window,
     )
-    return params, _joined(counters, inner, acc), metrics
+    return params, joined(counters_, inner, acc), metrics_
 
   def _run_accumulate(
     self,
@@ -397,254 +366,15 @@ class TrainStep:
     acc = opt_state.acc_grads
     if self.donate and check_aliasing and not _is_traced(params, acc):
       acc = _unaliased(acc, (params, opt_state.inner_opt_state, batch, rng))
-    acc, counters, loss, grad_norm, aux = self._programs(layout)[0](
-      params, acc, _counters(opt_state), batch, rng
+    acc, counters_, loss, grad_norm, aux = self._programs(layout)[0](
+      params, acc, counters(opt_state), batch, rng
     )
-    state = _joined(counters, opt_state.inner_opt_state, acc)
+    state = joined(counters_, opt_state.inner_opt_state, acc)
     # The counters are never donated: the metrics can share them.
-    metrics = _metrics(state, state, loss, grad_norm, aux, learning_rate)
-    if not self.has_aux:
-      del metrics["aux"]
-    return params, state, metrics
-
-  # -- the pieces ----------------------------------------------------------
-
-  def _add_micro_batch(
-    self,
-    params: Any,
-    state: MultiStepsState,
-    batch: Any,
-    rng: Any,
-    reduce_gradient: bool,
-  ) -> tuple[MultiStepsState, jax.Array, Any, Any]:
-    """One micro-batch's weighted gradient added to ``state``'s accumulator.
-
-    Returns the new state, whether the micro-batch counted, its gradient and
-    its aux. ``reduce_gradient=False`` adds this replica's gradient only.
-    """
-    grads, value, weight, aux = self._grads(params, batch, rng, state)
-    added, counted = self.optimizer.add(
-      grads, state, params, weight=weight, loss=value, reduce_gradient=reduce_gradient
-    )
-    return added, counted, grads, aux
-
-  def _grads(
-    self, params: Any, batch: Any, rng: Any, state: MultiStepsState
-  ) -> tuple[Any, ...]:
-    """Gradient, loss, weight and aux of one micro-batch."""
-    args: tuple[Any, ...] = (batch,)
-    if rng is not None:
-      # The run's n-th micro-batch gets fold_in(rng, n), whatever became of the
-      # micro-batches before it, the same in streaming and scan mode.
-      key = jax.random.fold_in(rng, state.micro_batches_seen)
-      if self.optimizer.axis_name is not None:
-        # Each replica draws its own dropout masks for its own rows.
-        key = jax.random.fold_in(key, replica_index(self.optimizer.axis_name))
-      args = (batch, key)
-
-    if self.optimizer.axis_name is not None:
-      params = _per_replica(params, ReplicaSum(self.optimizer.axis_name))
-
-    def loss(p: Any) -> tuple[jax.Array, tuple[Any, Any]]:
-      out = self.loss_fn(p, *args)
-      if not (isinstance(out, tuple) and len(out) == 2):
-        raise ValueError(self._contract(f"got {type(out).__name__}"))
-      value, rest = out
-      if self.has_aux:
-        if not (isinstance(rest, tuple) and len(rest) == 2):
-          raise ValueError(self._contract(f"got (loss, {type(rest).__name__})"))
-        return value, rest
-      if isinstance(rest, tuple | list | dict):
-        raise ValueError(
-          self._contract(f"got (loss, {type(rest).__name__}): set has_aux=True?")
-        )
-      return value, (rest, None)
-
-    (value, (weight, aux)), grads = jax.value_and_grad(loss, has_aux=True)(params)
-    return grads, value, weight, aux
-
-  def _contract(self, got: str) -> str:
-    want = "(loss, (weight, aux))" if self.has_aux else "(loss, weight)"
-    return f"`loss_fn` must return {want} with has_aux={self.has_aux}, {got}."
-
-  def _in_graph_metrics(
-    self, added: MultiStepsState, new_state: MultiStepsState, grad_norm: Any, aux: Any
-  ) -> Metrics:
-    grad_norm = jnp.asarray(grad_norm, jnp.float32)
-    metrics = _metrics(
-      added,
-      new_state,
-      self.optimizer.window_loss(added),
-      grad_norm,
-      aux,
-      _learning_rate(new_state),
-    )
-    if not self.has_aux:
-      del metrics["aux"]
-    return metrics
-
-  def _accumulate(
-    self,
-    params: Any,
-    acc: Any,
-    counters: MultiStepsState,
-    batch: Any,
-    rng: Any,
-    partial: bool = False,
-  ) -> tuple[Any, MultiStepsState, jax.Array, jax.Array, Any]:
-    """Adds a micro-batch. ``partial``: ``acc`` is this replica's partial sum."""
-    state = _joined(counters, None, acc)
-    added, _, _, aux = self._add_micro_batch(params, state, batch, rng, not partial)
-    loss, grad_norm = self.optimizer.window_loss(added), jnp.zeros([], jnp.float32)
-    return added.acc_grads, _counters(added), loss, grad_norm, aux
-
-  def _update(
-    self,
-    params: Any,
-    inner: Any,
-    acc: Any,
-    counters: MultiStepsState,
-    batch: Any,
-    rng: Any,
-    end_window: Any,
-    *,
-    partial: bool = False,
-  ) -> tuple[Any, ...]:
-    """Adds a micro-batch and ends the window if it is full or ``end_window``.
-    ``partial``: ``acc`` is this replica's partial sum, and stays one."""
-    opt_state = _joined(counters, inner, acc)
-    added, counted, grads, aux = self._add_micro_batch(
-      params, opt_state, batch, rng, not partial
-    )
-    ends = self.optimizer.window_ends(added, counted, end_window)
-    if not partial:
-      return self._close(added, ends, params, aux, grads_like=grads)
-    window = added._replace(acc_grads=self.optimizer.replica_sum(added.acc_grads))
-    out = self._close(window, ends, params, aux, grads_like=grads)
-    # A window that goes on keeps its partial sums; after one that ended, the
-    # next window's first micro-batch overwrites them.
-    return (*out[:2], added.acc_grads, *out[3:])
-
-  def _scan(
-    self,
-    params: Any,
-    inner: Any,
-    acc: Any,
-    counters: MultiStepsState,
-    batch: Any,
-    rng: Any,
-    *,
-    partial: bool = False,
-  ) -> tuple[Any, ...]:
-    """A whole window. ``partial``: ``acc`` is this replica's partial sum."""
-    sizes = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
-    if len(sizes) != 1 or None in sizes or 0 in sizes:
-      raise ValueError(
-        "In scan mode every `batch` leaf needs the same leading micro-batch axis "
-        f"of size >= 1, got leading sizes {sorted(map(str, sizes))}."
-      )
-
-    # With `axis_name` each replica sums its own micro-batches inside the loop,
-    # and the replicas' sums are added up once after it: one gradient
-    # reduction per window. A streamed part of the window that `acc` already
-    # holds summed joins after the reduction.
-    axis_name = self.optimizer.axis_name
-    local = axis_name is not None
-    start = acc
-    if axis_name is not None and not partial:
-      start = jax.tree.map(_local_zeros(axis_name), acc)
-
-    def body(state: MultiStepsState, micro_batch: Any) -> tuple[MultiStepsState, Any]:
-      added, _, _, aux = self._add_micro_batch(
-        params, state, micro_batch, rng, not local
-      )
-      return added, aux
-
-    # The inner optimizer's state stays out of the loop carry: only the
-    # accumulator changes inside the scan.
-    added, auxs = jax.lax.scan(body, _joined(counters, None, start), batch)
-    partial_sums = added.acc_grads
-    if local:
-      window = self.optimizer.replica_sum(partial_sums)
-      if not partial:
-        streamed = counters.mini_step > 0
-        window = jax.tree.map(
-          lambda total, acc: total + jnp.where(streamed, acc, jnp.zeros_like(acc)),
-          window,
-          acc,
-        )
-      added = added._replace(acc_grads=window)
-    added = added._replace(inner_opt_state=inner)
-    out = self._close(added, True, params, auxs)
-    return (*out[:2], partial_sums, *out[3:]) if partial else out
-
-  def _close(
-    self,
-    added: MultiStepsState,
-    ends: Any,
-    params: Any,
-    aux: Any,
-    grads_like: Any = None,
-  ) -> tuple[Any, ...]:
-    """Ends the window if ``ends``, updating params in place; split outputs."""
-    params, new_state, grad_norm = self.optimizer.close(
-      added,
-      ends,
-      params,
-      grads_like=grads_like,
-      # The window's loss as optax's `value` (optax.contrib.reduce_on_plateau).
-      optional_args={"value": self.optimizer.window_loss(added)},
-      apply_to=params,
-      branchless=True,
-      empty_accumulator=False,
-    )
-    metrics = self._in_graph_metrics(added, new_state, grad_norm, aux)
-    return (
-      params,
-      new_state.inner_opt_state,
-      new_state.acc_grads,
-      _counters(new_state),
-      metrics,
-    )
-
-
-def _learning_rate(state: MultiStepsState) -> Any:
-  """The injected learning rate, a dict of them by group, or ``None``."""
-  try:
-    return get_hyperparams(state).get("learning_rate")
-  except ValueError:  # No injected hyperparameters.
-    return None
-
-
-def _copied_learning_rate(state: MultiStepsState) -> Any:
-  """The state's learning rate(s) in buffers of their own (the state's are
-  donated)."""
-  return jax.tree.map(jnp.copy, _learning_rate(state))
-
-
-def _metrics(
-  added: MultiStepsState,
-  new_state: MultiStepsState,
-  loss: Any,
-  grad_norm: Any,
-  aux: Any,
-  learning_rate: Any,
-) -> Metrics:
-  """The step's metrics from the window so far (``added``) and the new state."""
-  metrics: Metrics = {
-    "loss": loss,
-    "weight": added.acc_weight,
-    "micro_steps": added.mini_step,
-    "updated": new_state.updated,
-    "update_count": new_state.gradient_step,
-    "grad_norm": grad_norm,
-    "skipped_micro_batches": new_state.skipped_micro_batches,
-    "skipped_windows": new_state.skipped_windows,
-  }
-  if learning_rate is not None:
-    metrics["learning_rate"] = learning_rate
-  metrics["aux"] = aux
-  return metrics
+    out = metrics(state, state, loss, grad_norm, learning_rate)
+    if self.has_aux:
+      out["aux"] = aux
+    return params, state, out
 
 
 def _accumulator(
@@ -789,9 +519,7 @@ def make_train_step(
         f"`axis_name` {axis_name!r} differs from the optimizer's "
         f"{optimizer.axis_name!r}."
       )
-    optimizer = optimizer.with_axis_name(axis_name)
-  if mode not in ("stream", "scan"):
-    raise ValueError(f"`mode` must be 'stream' or 'scan', got {mode!r}.")
-  if not callable(loss_fn):
-    raise ValueError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}.")
+    optimizer = optimizer.replace(axis_name=axis_name)
+  _checks.one_of(mode, ("stream", "scan"), name="mode")
+  _checks.callable_arg(loss_fn, name="loss_fn")
   return TrainStep(loss_fn, optimizer, mode, bool(has_aux), bool(donate))

@@ -289,7 +289,7 @@ def _mesh(replicas):
 
 def _run_update_shard_map(config, plan, rng, key):
   del key  # MultiSteps.update takes no key.
-  opt = _optimizer(config).with_axis_name("data")
+  opt = _optimizer(config).replace(axis_name="data")
   params = _params(config, rng)
   params0 = jax.tree.map(_seen, params)
   check_vma = bool(rng.random() < 0.5)

@@ -1,0 +1,296 @@
+"""The train step's in-graph programs: accumulate, update (in place) and scan.
+
+Built from the window arithmetic, a reduction policy and the state
+transitions of :mod:`optax_accum._multi_steps`. Each program takes the
+params-sized parts of the optimizer state (inner state, accumulator) apart
+from its counters, so the caller can donate the former and keep the latter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_accum import _multi_steps as ms
+from optax_accum import _reduction, _window
+from optax_accum._inspect import get_hyperparams
+
+Metrics = dict[str, Any]
+
+
+def counters(state: ms.MultiStepsState) -> ms.MultiStepsState:
+  """``state`` without its params-sized parts: the counters and window totals.
+
+  The programs take the params-sized parts (params, inner optimizer state,
+  accumulator) as separate, donated arguments and these as plain ones: never
+  donated, so the metrics a step returns can share them.
+  """
+  return state._replace(inner_opt_state=None, acc_grads=None)
+
+
+def joined(counters: ms.MultiStepsState, inner: Any, acc: Any) -> ms.MultiStepsState:
+  """The state :func:`counters` split, whole again."""
+  return counters._replace(inner_opt_state=inner, acc_grads=acc)
+
+
+def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
+  """``fn(init)`` if ``pred`` else ``init``, as a loop that runs once or never.
+
+  XLA updates a loop's carry (params, optimizer state) in place, where a
+  ``cond`` or a select between new and old values keeps both alive and copies
+  them first. ``init`` is typed like ``fn``'s outputs (``jax.eval_shape``).
+
+  Examples:
+    >>> float(once_if(jnp.array(True), lambda x: x + 1, jnp.array(1.0)))
+    2.0
+    >>> float(once_if(jnp.array(False), lambda x: x + 1, jnp.array(1.0)))
+    1.0
+  """
+  init = jax.tree.map(ms.typed_like, init, jax.eval_shape(fn, init))
+  return jax.lax.while_loop(
+    lambda carry: carry[0],
+    lambda carry: (jnp.zeros_like(carry[0]), fn(carry[1])),
+    (pred, init),
+  )[1]
+
+
+def learning_rate(state: ms.MultiStepsState) -> Any:
+  """The injected learning rate, a dict of them by group, or ``None``."""
+  try:
+    return get_hyperparams(state).get("learning_rate")
+  except ValueError:  # No injected hyperparameters.
+    return None
+
+
+def metrics(
+  added: ms.MultiStepsState, new: ms.MultiStepsState, loss: Any, norm: Any, lr: Any
+) -> Metrics:
+  """The step's metrics from the window so far (``added``) and the new state."""
+  out: Metrics = {
+    "loss": loss,
+    "weight": added.acc_weight,
+    "micro_steps": added.mini_step,
+    "updated": new.updated,
+    "update_count": new.gradient_step,
+    "grad_norm": norm,
+    "skipped_micro_batches": new.skipped_micro_batches,
+    "skipped_windows": new.skipped_windows,
+  }
+  if lr is not None:
+    out["learning_rate"] = lr
+  return out
+
+
+class Programs:
+  """The in-graph bodies of a train step, for one reduction policy.
+
+  With ``reduction.at_window_end`` the accumulator is this replica's partial
+  sum, and stays one; otherwise it is the window's sum.
+  """
+
+  def __init__(
+    self,
+    loss_fn: Callable[..., Any],
+    optimizer: ms.MultiSteps,
+    has_aux: bool,
+    reduction: _reduction.Local,
+  ):
+    self.loss_fn = loss_fn
+    self.optimizer = optimizer
+    self.config = optimizer.config
+    self.has_aux = has_aux
+    self.reduction = reduction
+
+  # -- one micro-batch -------------------------------------------------------
+
+  def _grads(self, params: Any, batch: Any, rng: Any, seen: Any) -> tuple[Any, ...]:
+    """Gradient, loss, weight and aux of one micro-batch."""
+    axes = self.reduction.axes
+    args: tuple[Any, ...] = (batch,)
+    if rng is not None:
+      # The run's n-th micro-batch gets fold_in(rng, n), whatever became of the
+      # micro-batches before it; each replica draws its own for its own rows.
+      key = jax.random.fold_in(rng, seen)
+      if axes:
+        key = jax.random.fold_in(key, _reduction.replica_index(axes))
+      args = (batch, key)
+    if axes:
+      params = self._per_replica(params)
+
+    def loss(p: Any) -> tuple[jax.Array, tuple[Any, Any]]:
+      return self._loss_parts(self.loss_fn(p, *args))
+
+    (value, (weight, aux)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return grads, value, weight, aux
+
+  def _loss_parts(self, out: Any) -> tuple[Any, tuple[Any, Any]]:
+    if not (isinstance(out, tuple) and len(out) == 2):
+      raise ValueError(self._contract(f"got {type(out).__name__}"))
+    value, rest = out
+    if self.has_aux:
+      if not (isinstance(rest, tuple) and len(rest) == 2):
+        raise ValueError(self._contract(f"got (loss, {type(rest).__name__})"))
+      return value, rest
+    if isinstance(rest, tuple | list | dict):
+      raise ValueError(
+        self._contract(f"got (loss, {type(rest).__name__}): set has_aux=True?")
+      )
+    return value, (rest, None)
+
+  def _contract(self, got: str) -> str:
+    want = "(loss, (weight, aux))" if self.has_aux else "(loss, weight)"
+    return f"`loss_fn` must return {want} with has_aux={self.has_aux}, {got}."
+
+  def _per_replica(self, params: Any) -> Any:
+    """``params`` typed as differing per replica, so their gradients stay
+    each replica's own (inside ``shard_map`` JAX would otherwise sum them
+    before the per-replica weights apply)."""
+    if not getattr(self.reduction, "typed", False):
+      return params
+    for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+      sharded = set(_reduction.varying_axes(p)) & set(self.reduction.axes)
+      if sharded:
+        raise ValueError(
+          f"params{jax.tree_util.keystr(path)} differs per replica over mesh axis "
+          f"{sorted(sharded)[0]!r}, the data axis `axis_name` sums over: params "
+          "sharded over the data axis (FSDP, ZeRO) would have their gradients "
+          "summed twice. Pass params replicated over it (in_specs P() or P over "
+          "a model axis only), or shard them over the data axis under plain jit "
+          "without axis_name, where XLA reduce-scatters each micro-batch's "
+          "gradient."
+        )
+    return jax.tree.map(self.reduction.own, params)
+
+  def _add(
+    self, params: Any, state: ms.MultiStepsState, batch: Any, rng: Any, reduction: Any
+  ) -> tuple[ms.MultiStepsState, jax.Array, Any, Any]:
+    """One micro-batch added; whether it counted, its gradient and its aux."""
+    grads, value, weight, aux = self._grads(
+      params, batch, rng, state.micro_batches_seen
+    )
+    added, counted = ms.add_micro_batch(
+      self.config, state, grads, params, weight=weight, loss=value, reduction=reduction
+    )
+    return added, counted, grads, aux
+
+  # -- the programs ----------------------------------------------------------
+
+  def accumulate(
+    self, params: Any, acc: Any, counters_: ms.MultiStepsState, batch: Any, rng: Any
+  ) -> tuple[Any, ms.MultiStepsState, jax.Array, jax.Array, Any]:
+    """Adds a micro-batch that cannot end the window."""
+    state = joined(counters_, None, acc)
+    added, _, _, aux = self._add(params, state, batch, rng, self.reduction)
+    loss = self.optimizer.window_loss(added)
+    return added.acc_grads, counters(added), loss, jnp.zeros([], jnp.float32), aux
+
+  def update(
+    self,
+    params: Any,
+    inner: Any,
+    acc: Any,
+    counters_: ms.MultiStepsState,
+    batch: Any,
+    rng: Any,
+    end_window: Any,
+  ) -> tuple[Any, ...]:
+    """Adds a micro-batch and ends the window if it is full or ``end_window``."""
+    state = joined(counters_, inner, acc)
+    added, counted, grads, aux = self._add(params, state, batch, rng, self.reduction)
+    ends = ms.window_ends(self.config, added, counted, end_window)
+    summed = added._replace(acc_grads=self.reduction.window_gradient(added.acc_grads))
+    params, inner, counters_, out = self._end(summed, ends, params, aux, grads)
+    # The accumulator keeps the window's sum (or this replica's partial sum)
+    # for the next window's first micro-batch to overwrite.
+    return params, inner, added.acc_grads, counters_, out
+
+  def scan(
+    self,
+    params: Any,
+    inner: Any,
+    acc: Any,
+    counters_: ms.MultiStepsState,
+    batch: Any,
+    rng: Any,
+  ) -> tuple[Any, ...]:
+    """A whole window, its micro-batches along the batch's leading axis.
+
+    With replicas each sums its own micro-batches inside the loop, and the
+    partial sums are added up once after it. A streamed part of the window
+    that ``acc`` holds already summed joins after that reduction.
+    """
+    _check_leading_axis(batch)
+    axes, partial = self.reduction.axes, self.reduction.at_window_end
+    loop = _reduction.policy(axes or None, at_window_end=True)
+    start = acc if partial or not axes else jax.tree.map(_own_zeros(loop), acc)
+
+    def body(state: ms.MultiStepsState, micro_batch: Any) -> Any:
+      added, _, _, aux = self._add(params, state, micro_batch, rng, loop)
+      return added, aux
+
+    added, auxs = jax.lax.scan(body, joined(counters_, None, start), batch)
+    partial_sums = added.acc_grads
+    window = loop.window_gradient(partial_sums)
+    if axes and not partial:
+      streamed = counters_.mini_step > 0
+      window = jax.tree.map(
+        lambda total, a: total + jnp.where(streamed, a, jnp.zeros_like(a)), window, acc
+      )
+    summed = added._replace(acc_grads=window, inner_opt_state=inner)
+    params, inner, counters_, out = self._end(
+      summed, jnp.array(True), params, auxs, None
+    )
+    return params, inner, partial_sums if partial else window, counters_, out
+
+  def _end(
+    self, added: ms.MultiStepsState, ends: Any, params: Any, aux: Any, grads_like: Any
+  ) -> tuple[Any, ...]:
+    """Ends the window if ``ends``, updating params in place.
+
+    Returns params, the inner state, the counters and the metrics.
+    """
+    grads_like = params if grads_like is None else grads_like
+    window, divides = ms.window_of(added), self.config.divides
+    squares = _window.squares(window, grads_like, divides)
+    positive = ends & (added.acc_weight > 0)
+    flag = _window.nonfinite(window, squares)
+    nonfinite = positive & self.reduction.any(flag, added.acc_weight)
+    applies = positive & ~nonfinite
+    loss = self.optimizer.window_loss(added)
+
+    def update(carry: Any) -> Any:
+      params, inner, _ = carry
+      grads = _window.gradient(window, grads_like, divides)
+      with_inner = added._replace(inner_opt_state=inner)
+      new, inner = ms.run_inner(
+        self.optimizer.inner_opt, grads, with_inner, params, {}, {"value": loss}
+      )
+      return optax.apply_updates(params, new), inner, jnp.sqrt(squares)
+
+    carry = (params, added.inner_opt_state, jnp.zeros_like(squares))
+    params, inner, norm = once_if(applies, update, carry)
+    new = ms.closed(
+      added, ends, nonfinite, applies, inner, divided_loss=loss, keep_sum=True
+    )
+    out = metrics(added, new, loss, norm.astype(jnp.float32), learning_rate(new))
+    if self.has_aux:
+      out["aux"] = aux
+    return params, inner, counters(new), out
+
+
+def _own_zeros(reduction: Any) -> Callable[[jax.Array], jax.Array]:
+  return lambda x: reduction.own(jnp.zeros_like(x))
+
+
+def _check_leading_axis(batch: Any) -> None:
+  sizes = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
+  if len(sizes) != 1 or None in sizes or 0 in sizes:
+    raise ValueError(
+      "In scan mode every `batch` leaf needs the same leading micro-batch axis "
+      f"of size >= 1, got leading sizes {sorted(map(str, sizes))}."
+    )

@@ -1,0 +1,197 @@
+"""The reduction policy: what a window's sums are summed over, and when.
+
+The caller builds the policy and passes it to the window arithmetic
+(:mod:`optax_accum._window`), which never reduces anything itself:
+
+- :class:`Local`: nothing to sum over. Under plain ``jit`` with sharded
+  arrays every value is already global.
+- :class:`Replicas`: inside ``shard_map`` or ``pmap``, the data-parallel axes
+  ``axes`` hold one replica each, and every weight, loss and gradient the
+  caller passes is that replica's own. ``at_window_end=True`` keeps gradients
+  per replica until the window ends (one reduction per window); otherwise
+  they are summed as they are added.
+
+One fact comes from JAX rather than from the caller: under ``shard_map``
+with ``check_vma=True`` a gradient of params that entered the map replicated
+is typed invariant over the data axes, because autodiff summed it already.
+Summing it again would multiply it by the replica count, so such a gradient
+is counted once (``grad_reduction="sum"``) or refused with the fix
+(``"mean"``: its per-replica weights can no longer be applied).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optax_accum import _checks
+
+AxisName = str | tuple[str, ...]
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+  """The manual mesh axes over which ``x`` is typed to differ per replica."""
+  return jax.typeof(x).manual_axis_type.varying
+
+
+def varying_over(x: Any, axes: Any) -> jax.Array:
+  """``x``, typed as differing per replica over ``axes`` (``shard_map`` types).
+
+  Outside ``shard_map`` (no axes to add) ``x`` comes back as it is.
+  """
+  missing = tuple(sorted(set(axes) - varying_axes(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else jnp.asarray(x)
+
+
+def _any_over(flag: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  if not axes:
+    return jnp.asarray(flag)
+  return jax.lax.psum(jnp.asarray(flag).astype(jnp.int32), axes) > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Local:
+  """No data-parallel axes: weights, losses and gradients are already global."""
+
+  axes: tuple[str, ...] = ()
+  at_window_end: bool = False
+
+  def sum(self, x: Any) -> jax.Array:
+    """``x`` summed over the replicas: ``x`` itself."""
+    return jnp.asarray(x)
+
+  def own(self, x: Any) -> jax.Array:
+    """``x`` as this replica's own value (no-op without replicas)."""
+    return jnp.asarray(x)
+
+  def any(self, flag: jax.Array, window: Any = ()) -> jax.Array:
+    """Whether ``flag`` holds on any shard of the same window, on all of them.
+
+    Inside ``shard_map``, model-parallel shards of one window (whose
+    ``window`` values, its weights, are the same) see different parts of the
+    gradient: the flag is combined over the mesh axes it varies over and the
+    weights do not. Per-device windows (weights that vary) stay independent.
+    """
+    own = frozenset().union(*[varying_axes(x) for x in jax.tree.leaves(window)])
+    return _any_over(flag, tuple(sorted(varying_axes(flag) - own)))
+
+  def summed_already(self, x: Any) -> tuple[str, ...]:
+    """The replica axes over which JAX already summed ``x``: none here."""
+    del x
+    return ()
+
+  def gradient(self, x: jax.Array) -> jax.Array:
+    """A weighted gradient as it is stored in the accumulator."""
+    return x
+
+  def window_gradient(self, acc: Any) -> Any:
+    """The accumulator as the window's summed gradient."""
+    return acc
+
+  def agree(self, tree: Any) -> Any:
+    """``tree`` the same on every replica (no-op without replicas)."""
+    return tree
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicas(Local):
+  """Per-replica values over mesh axes ``axes``, summed over them.
+
+  Args:
+    axes: The data-parallel mesh axis name, or a tuple of them.
+    at_window_end: Keep each replica's weighted gradients in its own partial
+      sum and add the partial sums up once, in :meth:`window_gradient`.
+  """
+
+  def __init__(self, axes: AxisName, at_window_end: bool = False):
+    object.__setattr__(self, "axes", _checks.axes(axes))
+    object.__setattr__(self, "at_window_end", at_window_end)
+
+  @property
+  def typed(self) -> bool:
+    """Whether JAX types values as varying per replica (``check_vma=True``)."""
+    try:
+      probe = jax.lax.axis_index(self.axes[0])
+    except NameError as e:
+      raise ValueError(
+        f"`axis_name` {self.axes!r} is not a mesh axis here: call inside "
+        "shard_map or pmap over it, or drop `axis_name` under plain jit, where "
+        "sharded gradients are already global."
+      ) from e
+    return self.axes[0] in varying_axes(probe)
+
+  def sum(self, x: Any) -> jax.Array:
+    """``x`` summed over the replicas; a value JAX already summed over some
+    of them counts on their first replica only."""
+    return jax.lax.psum(self.own(self._once(x)), self.axes)
+
+  def _once(self, x: Any) -> jax.Array:
+    summed = self.summed_already(x)
+    if not summed:
+      return jnp.asarray(x)
+    return jnp.where(replica_index(summed) == 0, x, jnp.zeros_like(x))
+
+  def own(self, x: Any) -> jax.Array:
+    # A value the same on every replica (a constant weight) is still each
+    # replica's own: it sums over them, as under pmap or check_vma=False.
+    return varying_over(x, self.axes) if self.typed else jnp.asarray(x)
+
+  def any(self, flag: jax.Array, window: Any = ()) -> jax.Array:
+    return _any_over(super().any(flag, window), self.axes)
+
+  def summed_already(self, x: Any) -> tuple[str, ...]:
+    if not self.typed:
+      return ()
+    return tuple(a for a in self.axes if a not in varying_axes(x))
+
+  def gradient(self, x: jax.Array) -> jax.Array:
+    if self.at_window_end:  # This replica's share of the window's sum.
+      return self.own(self._once(x))
+    return self.sum(x)
+
+  def window_gradient(self, acc: Any) -> Any:
+    if not self.at_window_end:
+      return acc
+    return jax.tree.map(lambda a: jax.lax.psum(a, self.axes), acc)
+
+  def agree(self, tree: Any) -> Any:
+    """Each leaf's maximum over the replicas (for a bool: any)."""
+
+    def combine(x: Any) -> jax.Array:
+      x = jnp.asarray(x)
+      axes = tuple(a for a in self.axes if a in varying_axes(x) or not self.typed)
+      if not axes:
+        return x
+      if x.dtype == jnp.bool_:
+        return jax.lax.pmax(x.astype(jnp.int32), axes) > 0
+      return jax.lax.pmax(x, axes)
+
+    return jax.tree.map(combine, tree)
+
+
+def replica_index(axis_name: AxisName) -> jax.Array:
+  """This replica's position over the mesh axes ``axis_name`` (row-major).
+
+  Inside ``shard_map`` or ``pmap`` only.
+  """
+  index = jnp.zeros([], jnp.int32)
+  for axis in _checks.axes(axis_name):
+    index = index * jax.lax.axis_size(axis) + jax.lax.axis_index(axis)
+  return index
+
+
+def policy(axis_name: AxisName | None, at_window_end: bool = False) -> Local:
+  """The policy for ``axis_name``: :class:`Replicas` over it, or :class:`Local`.
+
+  Examples:
+    >>> policy(None)
+    Local(axes=(), at_window_end=False)
+    >>> policy("data", at_window_end=True)
+    Replicas(axes=('data',), at_window_end=True)
+  """
+  if axis_name is None:
+    return Local()
+  return Replicas(axis_name, at_window_end)
