@@ -1,338 +1,51 @@
 """Token-weighted gradient accumulation: a drop-in for ``optax.MultiSteps``.
 
 :class:`MultiSteps` is the optax adapter over the window arithmetic
-(:mod:`optax_accum._window`) and the reduction policy
-(:mod:`optax_accum._reduction`). The state transitions below it
-(:func:`add_micro_batch`, :func:`window_ends`, :func:`run_inner`,
-:func:`closed`) are shared with ``make_train_step``'s programs.
+(:mod:`optax_accum._window`), the reduction policy
+(:mod:`optax_accum._reduction`) and the state transitions
+(:mod:`optax_accum._transitions`) it shares with ``make_train_step``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.typing import ArrayLike, DTypeLike
 
 from optax_accum import _checks, _reduction, _window
 from optax_accum._reduction import AxisName
+from optax_accum._state import (
+  WINDOW_MICRO_STEPS,
+  WINDOW_WEIGHT,
+  EveryKSchedule,
+  GradReduction,
+  MultiStepsConfig,
+  MultiStepsState,
+  NonFinitePolicy,
+  ShouldSkipUpdateFn,
+)
+from optax_accum._transitions import (
+  add_micro_batch,
+  check_extra_args,
+  closed,
+  run_inner,
+  typed_like,
+  window_ends,
+  window_of,
+)
 
-GradReduction = Literal["mean", "sum", "window_mean"]
-NonFinitePolicy = Literal["skip_window", "skip_micro_batch"]
-EveryKSchedule = int | Callable[[jax.Array], ArrayLike]
-ShouldSkipUpdateFn = Callable[..., tuple[ArrayLike, Any]]
-
-#: Extra argument the inner optimizer receives at the end of a window: the
-#: window's total weight (items behind the emitted gradient).
-WINDOW_WEIGHT = "window_weight"
-#: Extra argument the inner optimizer receives at the end of a window: how many
-#: micro-batches the window accumulated.
-WINDOW_MICRO_STEPS = "window_micro_steps"
-
-
-class MultiStepsState(NamedTuple):
-  """State of :class:`MultiSteps`.
-
-  The first fields have the names and meaning of ``optax.MultiStepsState``.
-
-  Attributes:
-    mini_step: int32 ``[]``. Micro-batches accumulated in the current window.
-    gradient_step: int32 ``[]``. Optimizer updates applied so far; a window
-      whose total weight is 0 ends without an update and is not counted.
-    inner_opt_state: State of the wrapped optimizer. Touched only by updates.
-    acc_grads: Like params, in the accumulator dtype. The window's running sum
-      of ``weight * grad`` (``grad_reduction="mean"``) or of ``grad``
-      (``"sum"``). While ``mini_step`` is 0 it counts as zeros, whatever it
-      holds: ``make_train_step`` leaves the last window's sum there. Under
-      plain ``jit`` with ``axis_name``, ``make_train_step`` keeps each
-      replica's partial sum instead, with a leading axis of replicas (it
-      accepts either layout, and a checkpoint of either resumes exactly).
-    acc_weight: float ``[]``, the accumulator's widest dtype. The window's
-      running sum of weights.
-    acc_loss: Like ``acc_weight``. The window's running sum of
-      ``weight * loss`` (``"mean"``) or ``loss`` (``"sum"``) for calls that pass
-      ``loss=``; divided by ``acc_weight`` it is the window's token-mean loss.
-    updated: bool ``[]``. Whether the last call applied an update.
-    skipped_micro_batches: int32 ``[]``, saturating. Micro-batches dropped on
-      their own: a negative or non-finite ``weight``, or (with
-      ``on_nonfinite="skip_micro_batch"``) a non-finite gradient or loss.
-    skipped_windows: int32 ``[]``, saturating. Windows that ended with positive
-      weight but a non-finite gradient or loss, and so without an update.
-    skip_state: Whatever ``should_skip_update_fn`` returned last; ``()``
-      without one.
-    micro_batches_seen: int32 ``[]``, saturating. Every micro-batch :meth:`add`
-      has seen in the run, whatever became of it (rejected, dropped, of weight
-      0, in a skipped window). ``make_train_step`` gives the run's ``n``-th
-      micro-batch the key ``jax.random.fold_in(rng, n)`` with this count, so
-      no two micro-batches of a run share a key (for the first ``2**31 - 1``).
-      A state built by hand without it starts at 0.
-    last_window_loss: Like ``acc_weight``. The loss of the window that ended
-      last (:meth:`MultiSteps.window_loss` at its end), whether or not it
-      applied an update: readable after the update, when ``acc_loss`` is
-      already reset. 0 before the first window ends, or without ``loss=``.
-    last_window_weight: Like ``acc_weight``. That window's total weight.
-      A state built by hand (or restored) without these two starts at 0.
-  """
-
-  mini_step: jax.Array
-  gradient_step: jax.Array
-  inner_opt_state: optax.OptState
-  acc_grads: optax.Updates
-  acc_weight: jax.Array
-  acc_loss: jax.Array
-  updated: jax.Array
-  skipped_micro_batches: jax.Array
-  skipped_windows: jax.Array
-  skip_state: Any = ()
-  micro_batches_seen: ArrayLike = np.int32(0)
-  last_window_loss: ArrayLike = np.float32(0)
-  last_window_weight: ArrayLike = np.float32(0)
-
-
-@dataclasses.dataclass(frozen=True)
-class MultiStepsConfig:
-  """The settings of a :class:`MultiSteps`, validated once (see its arguments).
-
-  Examples:
-    >>> MultiStepsConfig(every_k_schedule=4).k_at(0)
-    Array(4, dtype=int32)
-    >>> MultiStepsConfig(every_k_schedule=0)
-    Traceback (most recent call last):
-      ...
-    ValueError: `every_k_schedule` must be >= 1, got 0.
-  """
-
-  every_k_schedule: EveryKSchedule
-  use_grad_mean: bool = True
-  should_skip_update_fn: ShouldSkipUpdateFn | None = None
-  accumulator_dtype: DTypeLike | None = None
-  grad_reduction: GradReduction = "mean"
-  axis_name: AxisName | None = None
-  on_nonfinite: NonFinitePolicy = "skip_window"
-
-  def __post_init__(self) -> None:
-    k = self.every_k_schedule
-    if not callable(k):
-      if isinstance(k, bool | np.bool_) or not isinstance(k, int | np.integer):
-        raise ValueError(
-          "`every_k_schedule` must be an int or a callable of the update count, "
-          f"got {k!r} ({type(k).__name__})."
-        )
-      if k < 1:
-        raise ValueError(f"`every_k_schedule` must be >= 1, got {k}.")
-    _checks.one_of(
-      self.grad_reduction, ("mean", "sum", "window_mean"), name="grad_reduction"
-    )
-    _checks.one_of(
-      self.on_nonfinite, ("skip_window", "skip_micro_batch"), name="on_nonfinite"
-    )
-    if not isinstance(self.use_grad_mean, bool | np.bool_):
-      raise ValueError(f"`use_grad_mean` must be a bool, got {self.use_grad_mean!r}.")
-    dtype = self.accumulator_dtype
-    if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
-      raise ValueError(
-        f"`accumulator_dtype` must be a floating-point dtype, got {jnp.dtype(dtype)}."
-      )
-
-  def k_at(self, update_count: ArrayLike) -> jax.Array:
-    """Micro-batches per window after ``update_count`` updates (int32, >= 1)."""
-    schedule = self.every_k_schedule
-    k = schedule(jnp.asarray(update_count)) if callable(schedule) else schedule
-    return jnp.maximum(jnp.asarray(k).astype(jnp.int32), 1)
-
-  @property
-  def constant_k(self) -> int | None:
-    """The window length when ``every_k_schedule`` is an int, else ``None``."""
-    k = self.every_k_schedule
-    return None if callable(k) else int(k)
-
-  @property
-  def counts_every_micro_batch(self) -> bool:
-    """Whether every micro-batch counts towards ``k`` (nothing can reject one)."""
-    return self.should_skip_update_fn is None
-
-  @property
-  def divides(self) -> bool:
-    """Whether the window's sum is divided by its weight (a window_mean sum is
-    the mean already)."""
-    return bool(self.use_grad_mean) and self.grad_reduction != "window_mean"
-
-
-# --- state transitions, shared by MultiSteps.update and make_train_step --------
-
-
-def window_of(state: MultiStepsState) -> _window.Window:
-  """The window in progress of a state."""
-  return _window.Window(
-    state.mini_step, state.acc_grads, state.acc_weight, state.acc_loss
-  )
-
-
-def _screened(
-  config: MultiStepsConfig,
-  state: MultiStepsState,
-  grads: Any,
-  params: Any,
-  reduction: Any,
-) -> tuple[jax.Array, Any]:
-  """Whether ``should_skip_update_fn`` lets the micro-batch count, and its state.
-
-  A rejection on any replica rejects it on all of them, and every replica
-  keeps the same ``skip_state``: its leaves' maximum over them.
-  """
-  if config.should_skip_update_fn is None:
-    return jnp.array(True), state.skip_state
-  skip, skip_state = config.should_skip_update_fn(grads, state.gradient_step, params)
-  if (jnp.result_type(skip), jnp.shape(skip)) != (jnp.bool_, ()):
-    raise ValueError(
-      "`should_skip_update_fn` must return a bool scalar, got dtype "
-      f"{jnp.result_type(skip)} and shape {jnp.shape(skip)}."
-    )
-  skip = reduction.sum(jnp.asarray(skip).astype(jnp.int32)) > 0
-  return ~skip, reduction.agree(skip_state)
-
-
-def add_micro_batch(
-  config: MultiStepsConfig,
-  state: MultiStepsState,
-  grads: Any,
-  params: Any = None,
-  *,
-  weight: ArrayLike | None,
-  loss: ArrayLike | None,
-  reduction: Any,
-) -> tuple[MultiStepsState, jax.Array]:
-  """``state`` with a micro-batch added (never ending the window), and whether
-  it counts towards ``k``."""
-  _checks.check_tree_matches(
-    grads,
-    state.acc_grads,
-    name="updates",
-    ref_name="the accumulator (from init(params))",
-  )
-  if weight is None:
-    if config.grad_reduction == "sum":
-      raise ValueError(
-        "`weight` is required with grad_reduction='sum': the number of "
-        "items behind each summed-loss gradient normalises the window."
-      )
-    weight = 1
-  counted, skip_state = _screened(config, state, grads, params, reduction)
-  window = window_of(state)
-  drop = config.on_nonfinite == "skip_micro_batch"
-  kept = _window.admit(
-    window,
-    grads,
-    loss,
-    weight,
-    reduction=reduction,
-    counted=counted,
-    drop_nonfinite=drop,
-  )
-  weigh = config.grad_reduction == "mean"
-  window = _window.add(window, grads, loss, kept, reduction=reduction, weigh=weigh)
-  added = state._replace(
-    **window._asdict(),
-    updated=jnp.zeros_like(state.updated),
-    skipped_micro_batches=_count_if(kept.dropped, state.skipped_micro_batches),
-    skip_state=skip_state,
-    micro_batches_seen=optax.safe_increment(
-      jnp.asarray(state.micro_batches_seen, jnp.int32)
-    ),
-  )
-  return added, counted
-
-
-def window_ends(
-  config: MultiStepsConfig,
-  added: MultiStepsState,
-  counted: ArrayLike,
-  end_window: ArrayLike | None = None,
-) -> jax.Array:
-  """Whether the micro-batch just added ends the window."""
-  ends = jnp.asarray(counted) & (added.mini_step >= config.k_at(added.gradient_step))
-  if end_window is not None:
-    ends = ends | _checks.scalar(end_window, name="end_window", dtype=jnp.bool_)
-  return ends
-
-
-def run_inner(
-  opt: optax.GradientTransformationExtraArgs,
-  grads: Any,
-  added: MultiStepsState,
-  params: Any,
-  extra_args: dict[str, Any],
-  optional_args: dict[str, Any],
-) -> tuple[Any, Any]:
-  """The inner optimizer's update on a window's gradient, given the window's
-  totals as extra arguments; the new inner state keeps the old one's dtypes.
-
-  ``optional_args`` (the totals, the window's loss as ``value``) are dropped
-  for an inner optimizer that refuses arguments it does not use: optax's line
-  searches hand every extra argument on to ``value_fn``, and raise a
-  ``TypeError`` naming the ones it did not consume.
-  """
-  inner_state = added.inner_opt_state
-  optional = {
-    WINDOW_WEIGHT: added.acc_weight,
-    WINDOW_MICRO_STEPS: added.mini_step,
-    **optional_args,
-  }
-  try:
-    updates, inner = opt.update(grads, inner_state, params, **extra_args, **optional)
-  except TypeError as e:
-    if not any(name in str(e) for name in optional):
-      raise
-    updates, inner = opt.update(grads, inner_state, params, **extra_args)
-  inner = jax.tree.map(
-    lambda new, old: jnp.asarray(new).astype(jnp.result_type(old)), inner, inner_state
-  )
-  return updates, inner
-
-
-def closed(
-  added: MultiStepsState,
-  ends: jax.Array,
-  nonfinite: jax.Array,
-  applies: jax.Array,
-  inner_opt_state: Any,
-  *,
-  divided_loss: jax.Array,
-  keep_sum: bool = False,
-) -> MultiStepsState:
-  """The state after the window's end (where ``ends``), with the new inner
-  state; ``divided_loss`` is the window's loss (:meth:`MultiSteps.window_loss`)."""
-  window = _window.reset(window_of(added), ends, keep_sum=keep_sum)
-  return added._replace(
-    **window._asdict(),
-    gradient_step=_count_if(applies, added.gradient_step),
-    inner_opt_state=inner_opt_state,
-    updated=applies,
-    skipped_windows=_count_if(nonfinite, added.skipped_windows),
-    last_window_loss=_kept_unless(ends, divided_loss, added.last_window_loss),
-    last_window_weight=_kept_unless(ends, added.acc_weight, added.last_window_weight),
-  )
-
-
-def _count_if(flag: jax.Array, counter: jax.Array) -> jax.Array:
-  return jnp.where(flag, optax.safe_increment(counter), counter)
-
-
-def _kept_unless(ends: jax.Array, new: jax.Array, old: ArrayLike) -> jax.Array:
-  """``new`` if ``ends`` else ``old`` (cast to ``new``'s dtype)."""
-  return jnp.where(ends, new, jnp.asarray(old).astype(new.dtype))
-
-
-def typed_like(x: Any, like: Any) -> jax.Array:
-  """``x``, typed to vary over the manual mesh axes ``like`` (an abstract value
-  from ``jax.eval_shape``) varies over."""
-  types = getattr(like, "manual_axis_type", None)
-  return _reduction.varying_over(x, types.varying if types is not None else ())
+__all__ = [
+  "WINDOW_MICRO_STEPS",
+  "WINDOW_WEIGHT",
+  "EveryKSchedule",
+  "MultiSteps",
+  "MultiStepsConfig",
+  "MultiStepsState",
+]
 
 
 class MultiSteps:
@@ -465,13 +178,12 @@ class MultiSteps:
       every_k_schedule,
       use_grad_mean,
       should_skip_update_fn,
-      None if accumulator_dtype is None else jnp.dtype(accumulator_dtype),
+      accumulator_dtype,
       grad_reduction,
       axis_name,
       on_nonfinite,
     )
-    self._given_opt = opt
-    self._opt = optax.with_extra_args_support(opt)
+    self._given_opt, self._opt = opt, optax.with_extra_args_support(opt)
 
   def replace(self, **changes: Any) -> MultiSteps:
     """A copy with some constructor arguments changed (``opt=`` included).
@@ -636,18 +348,3 @@ class MultiSteps:
   def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
     """This accumulator as an ``optax.GradientTransformationExtraArgs``."""
     return optax.GradientTransformationExtraArgs(init=self.init, update=self.update)
-
-
-def check_extra_args(extra_args: dict[str, Any], loss: Any) -> None:
-  """Raises ``ValueError`` for extra arguments the accumulator sets itself."""
-  for name in (WINDOW_WEIGHT, WINDOW_MICRO_STEPS):
-    if name in extra_args:
-      raise ValueError(
-        f"`{name}` is reserved: MultiSteps passes the window's totals to the "
-        "inner optimizer itself."
-      )
-  if loss is not None and "value" in extra_args:
-    raise ValueError(
-      "Pass `loss=` or `value=`, not both: with `loss=` the inner optimizer "
-      "(optax.contrib.reduce_on_plateau) gets the window's loss as `value`."
-    )

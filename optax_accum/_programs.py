@@ -16,14 +16,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum import _multi_steps as ms
 from optax_accum import _reduction, _window
+from optax_accum import _transitions as ms
 from optax_accum._inspect import get_hyperparams
+from optax_accum._multi_steps import MultiSteps
+from optax_accum._state import MultiStepsState
 
 Metrics = dict[str, Any]
 
 
-def counters(state: ms.MultiStepsState) -> ms.MultiStepsState:
+def counters(state: MultiStepsState) -> MultiStepsState:
   """``state`` without its params-sized parts: the counters and window totals.
 
   The programs take the params-sized parts (params, inner optimizer state,
@@ -33,7 +35,7 @@ def counters(state: ms.MultiStepsState) -> ms.MultiStepsState:
   return state._replace(inner_opt_state=None, acc_grads=None)
 
 
-def joined(counters: ms.MultiStepsState, inner: Any, acc: Any) -> ms.MultiStepsState:
+def joined(counters: MultiStepsState, inner: Any, acc: Any) -> MultiStepsState:
   """The state :func:`counters` split, whole again."""
   return counters._replace(inner_opt_state=inner, acc_grads=acc)
 
@@ -59,7 +61,7 @@ def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
   )[1]
 
 
-def learning_rate(state: ms.MultiStepsState) -> Any:
+def learning_rate(state: MultiStepsState) -> Any:
   """The injected learning rate, a dict of them by group, or ``None``."""
   try:
     return get_hyperparams(state).get("learning_rate")
@@ -68,7 +70,7 @@ def learning_rate(state: ms.MultiStepsState) -> Any:
 
 
 def metrics(
-  added: ms.MultiStepsState, new: ms.MultiStepsState, loss: Any, norm: Any, lr: Any
+  added: MultiStepsState, new: MultiStepsState, loss: Any, norm: Any, lr: Any
 ) -> Metrics:
   """The step's metrics from the window so far (``added``) and the new state."""
   out: Metrics = {
@@ -96,7 +98,7 @@ class Programs:
   def __init__(
     self,
     loss_fn: Callable[..., Any],
-    optimizer: ms.MultiSteps,
+    optimizer: MultiSteps,
     has_aux: bool,
     reduction: _reduction.Local,
   ):
@@ -167,8 +169,8 @@ class Programs:
     return jax.tree.map(self.reduction.own, params)
 
   def _add(
-    self, params: Any, state: ms.MultiStepsState, batch: Any, rng: Any, reduction: Any
-  ) -> tuple[ms.MultiStepsState, jax.Array, Any, Any]:
+    self, params: Any, state: MultiStepsState, batch: Any, rng: Any, reduction: Any
+  ) -> tuple[MultiStepsState, jax.Array, Any, Any]:
     """One micro-batch added; whether it counted, its gradient and its aux."""
     grads, value, weight, aux = self._grads(
       params, batch, rng, state.micro_batches_seen
@@ -181,8 +183,8 @@ class Programs:
   # -- the programs ----------------------------------------------------------
 
   def accumulate(
-    self, params: Any, acc: Any, counters_: ms.MultiStepsState, batch: Any, rng: Any
-  ) -> tuple[Any, ms.MultiStepsState, jax.Array, jax.Array, Any]:
+    self, params: Any, acc: Any, counters_: MultiStepsState, batch: Any, rng: Any
+  ) -> tuple[Any, MultiStepsState, jax.Array, jax.Array, Any]:
     """Adds a micro-batch that cannot end the window."""
     state = joined(counters_, None, acc)
     added, _, _, aux = self._add(params, state, batch, rng, self.reduction)
@@ -194,7 +196,7 @@ class Programs:
     params: Any,
     inner: Any,
     acc: Any,
-    counters_: ms.MultiStepsState,
+    counters_: MultiStepsState,
     batch: Any,
     rng: Any,
     end_window: Any,
@@ -214,7 +216,7 @@ class Programs:
     params: Any,
     inner: Any,
     acc: Any,
-    counters_: ms.MultiStepsState,
+    counters_: MultiStepsState,
     batch: Any,
     rng: Any,
   ) -> tuple[Any, ...]:
@@ -229,7 +231,7 @@ class Programs:
     loop = _reduction.policy(axes or None, at_window_end=True)
     start = acc if partial or not axes else jax.tree.map(_own_zeros(loop), acc)
 
-    def body(state: ms.MultiStepsState, micro_batch: Any) -> Any:
+    def body(state: MultiStepsState, micro_batch: Any) -> Any:
       added, _, _, aux = self._add(params, state, micro_batch, rng, loop)
       return added, aux
 
@@ -248,7 +250,7 @@ class Programs:
     return params, inner, partial_sums if partial else window, counters_, out
 
   def _end(
-    self, added: ms.MultiStepsState, ends: Any, params: Any, aux: Any, grads_like: Any
+    self, added: MultiStepsState, ends: Any, params: Any, aux: Any, grads_like: Any
   ) -> tuple[Any, ...]:
     """Ends the window if ``ends``, updating params in place.
 
