@@ -12,6 +12,7 @@ from optax_accum._multi_steps import (
   WINDOW_MICRO_STEPS,
   WINDOW_WEIGHT,
   MultiSteps,
+  MultiStepsConfig,
   MultiStepsState,
 )
 from optax_accum._planning import MicroBatchPlan, plan_micro_batches
@@ -26,6 +27,7 @@ __all__ = (
   "AuditReport",
   "MicroBatchPlan",
   "MultiSteps",
+  "MultiStepsConfig",
   "MultiStepsState",
   "ProgressSchedule",
   "ProgressState",

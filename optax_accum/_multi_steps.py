@@ -252,21 +252,18 @@ class MultiSteps:
     if self.config.should_skip_update_fn is not None:
       zeros = jax.tree.map(jnp.zeros_like, params)
       _, skip_state = self.config.should_skip_update_fn(zeros, gradient_step, params)
-    zero_count, zero_weight = (
-      jnp.zeros([], jnp.int32),
-      jnp.zeros_like(window.acc_weight),
-    )
-    return MultiStepsState(
+    count, weight = jnp.int32, window.acc_weight.dtype  # A buffer per field:
+    return MultiStepsState(  # a state is donated leaf by leaf.
       **window._asdict(),
       gradient_step=gradient_step,
       inner_opt_state=self._opt.init(params),
       updated=jnp.zeros([], jnp.bool_),
-      skipped_micro_batches=zero_count,
-      skipped_windows=zero_count,
+      skipped_micro_batches=jnp.zeros([], count),
+      skipped_windows=jnp.zeros([], count),
       skip_state=skip_state,
-      micro_batches_seen=zero_count,
-      last_window_loss=zero_weight,
-      last_window_weight=zero_weight,
+      micro_batches_seen=jnp.zeros([], count),
+      last_window_loss=jnp.zeros([], weight),
+      last_window_weight=jnp.zeros([], weight),
     )
 
   def update(

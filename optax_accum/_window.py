@@ -91,8 +91,9 @@ def empty(params: Any, dtype: DTypeLike | None = None) -> Window:
     if jnp.issubdtype(d, jnp.floating)
   ]
   weight_dtype = max(floats, key=lambda d: d.itemsize)
-  zero = jnp.zeros([], weight_dtype)
-  return Window(jnp.zeros([], jnp.int32), acc, zero, zero)
+  # Each field its own buffer: a state is donated leaf by leaf.
+  weight, loss = jnp.zeros([], weight_dtype), jnp.zeros([], weight_dtype)
+  return Window(jnp.zeros([], jnp.int32), acc, weight, loss)
 
 
 def all_finite(*trees: Any) -> jax.Array:

@@ -720,3 +720,19 @@ class VariantsTest(chex.TestCase):
     )
     self.assertEqual(flags, [False, False, True])
     chex.assert_trees_all_close(out, expected, rtol=1e-6)
+
+
+def test_init_gives_every_state_leaf_its_own_buffer():
+  """A state donated to the user's own jit donates leaf by leaf: two fields
+  sharing one zero array made XLA refuse the call (or crash inside shard_map)."""
+  opt = optax_accum.MultiSteps(optax.adamw(1e-3), 2)
+  state = opt.init(PARAMS)
+  leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
+  assert len({id(x) for x in leaves}) == len(leaves)
+
+  @functools.partial(jax.jit, donate_argnums=(0,))
+  def step(state, grads):
+    return opt.update(grads, state, PARAMS)[1]
+
+  state = step(state, _grads(0))
+  assert int(state.mini_step) == 1
