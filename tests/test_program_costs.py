@@ -12,7 +12,6 @@ import jax
 import program_costs
 import pytest
 
-
 #: Bytes a program may access beyond the record: 16 float32 scalars. The
 #: layered programs access 12 to 28 bytes more than the recorded ones on three
 #: of the six configurations (scalar selects placed differently; their FLOPs
