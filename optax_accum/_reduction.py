@@ -111,13 +111,17 @@ class Replicas(Local):
     object.__setattr__(self, "at_window_end", at_window_end)
 
   @property
+  def _named(self) -> AxisName:
+    return self.axes[0] if len(self.axes) == 1 else self.axes
+
+  @property
   def typed(self) -> bool:
     """Whether JAX types values as varying per replica (``check_vma=True``)."""
     try:
       probe = jax.lax.axis_index(self.axes[0])
     except NameError as e:
       raise ValueError(
-        f"`axis_name` {self.axes!r} is not a mesh axis here: call inside "
+        f"`axis_name` {self._named!r} is not a mesh axis here: call inside "
         "shard_map or pmap over it, or drop `axis_name` under plain jit, where "
         "sharded gradients are already global."
       ) from e

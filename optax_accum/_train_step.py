@@ -197,7 +197,8 @@ class TrainStep:
       return self._run_update(params, opt_state, batch, rng, layout=layout)
     if end_window is not False:  # Checked on every micro-step, not only the last.
       _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
-    if _is_traced(opt_state.mini_step, opt_state.gradient_step, end_window):
+    counts = (opt_state.mini_step, opt_state.gradient_step, end_window)
+    if any(isinstance(x, jax.core.Tracer) for x in counts):  # No tree walk.
       opt_state, _ = self._arranged(params, opt_state, batch)
       return self._run_update(params, opt_state, batch, rng, end_window)
     known, opt_state, hit = self._recalled(params, opt_state, batch)
