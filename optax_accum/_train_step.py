@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike
 
-from optax_accum import _checks, _reduction
+from optax_accum import _checks, _reduction, _window
 from optax_accum._inspect import find_states
 from optax_accum._multi_steps import EveryKSchedule, MultiSteps, MultiStepsState
 from optax_accum._programs import (
@@ -77,7 +77,8 @@ def _check_state(opt_state: Any) -> None:
   if not isinstance(opt_state, MultiStepsState):
     raise ValueError(
       "`opt_state` must come from step.init(params) (or optimizer.init(params) "
-      "of the optax_accum.MultiSteps given to make_train_step), got "
+      "of the optax_accum.MultiSteps given to make_train_step; in scan mode "
+      "also the inner optimizer's own tx.init(params)), got "
       f"{type(opt_state).__module__}.{type(opt_state).__qualname__}."
     )
 
@@ -190,11 +191,9 @@ class TrainStep:
     *,
     end_window: ArrayLike = False,
   ) -> StepOutput:
-    _check_state(opt_state)
     if self.mode == "scan":
-      _check_scan_end_window(end_window)
-      opt_state, layout = self._arranged(params, opt_state, batch)
-      return self._run_update(params, opt_state, batch, rng, layout=layout)
+      return self._window(params, opt_state, batch, rng, end_window)
+    _check_state(opt_state)
     if end_window is not False:  # Checked on every micro-step, not only the last.
       _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
     counts = (opt_state.mini_step, opt_state.gradient_step, end_window)
@@ -225,6 +224,30 @@ class TrainStep:
     if not isinstance(out[1].mini_step, jax.core.Tracer):  # Traced params or batch.
       self._remember(known._replace(value=value, k=k), out, ends)
     return out
+
+  def _window(
+    self, params: Any, opt_state: Any, batch: Any, rng: Any, end_window: Any
+  ) -> tuple[Any, Any, Metrics]:
+    """Scan mode: a whole window; the optimizer's own state comes back as such."""
+    _check_scan_end_window(end_window)
+    own = not isinstance(opt_state, MultiStepsState)
+    state = self._around(params, opt_state) if own else opt_state
+    state, layout = self._arranged(params, state, batch)
+    params, state, metrics_ = self._run_update(params, state, batch, rng, layout=layout)
+    return params, state.inner_opt_state if own else state, metrics_
+
+  def _around(self, params: Any, inner: Any) -> MultiStepsState:
+    """The inner optimizer's own state (``tx.init(params)``) in an empty window.
+
+    In scan mode every call is a whole window: nothing else needs to persist.
+    """
+    expected = jax.eval_shape(self.optimizer.inner_opt.init, params)
+    if jax.tree.structure(inner) != jax.tree.structure(expected):  # type: ignore[operator]  # jaxlib stub gap
+      _check_state(inner)  # Raises: neither a MultiStepsState nor the inner one.
+    shapes = jax.eval_shape(self.optimizer.init, params)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), counters(shapes))
+    window = _window.empty(params, self.optimizer.config.accumulator_dtype)
+    return zeros._replace(**window._asdict(), inner_opt_state=inner)
 
   def _recalled(
     self, params: Any, opt_state: MultiStepsState, batch: Any
@@ -285,6 +308,8 @@ class TrainStep:
     scan mode, the whole window's program); ``"accumulate"`` the streaming
     program for micro-steps that cannot.
     """
+    if self.mode == "scan" and not isinstance(opt_state, MultiStepsState):
+      opt_state = self._around(params, opt_state)
     opt_state, layout = self._arranged(params, opt_state, batch)
     accumulate_program, update_program = self._programs(layout)
     split = (opt_state.inner_opt_state, opt_state.acc_grads, counters(opt_state))

@@ -12,6 +12,7 @@ import pytest
 import toy_lm
 
 import optax_accum
+from optax_accum import split_micro_batches
 
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 3e-2, 4, 20, 1e-3)
 
@@ -386,8 +387,28 @@ def test_a_plain_optax_optimizer_is_wrapped_for_its_mode(mode):
     runs.append(params)
   assert bool(metrics["updated"])
   chex.assert_trees_all_equal(*runs)
-  with pytest.raises(ValueError, match=r"`opt_state` must come from step.init"):
-    step(params, _adamw().init(params), windows[0])
+  if mode == "stream":  # A window spans calls: the state must carry it.
+    with pytest.raises(ValueError, match=r"`opt_state` must come from step.init"):
+      step(params, _adamw().init(params), windows[0])
+
+
+def test_scan_mode_takes_the_optimizers_own_state_and_returns_it():
+  """Issue 27: `tx.init(params)`, as every optax user writes it, in scan mode.
+
+  Three AdamW windows of uneven token counts equal the whole batch, and the
+  state comes back as the type `tx.init` made."""
+  k, batches = 4, [toy_lm.make_batch(seed=i) for i in range(3)]
+  tx = toy_lm.adamw_with_schedule(updates=6)
+  params0 = toy_lm.init_params(seed=0)
+  whole, _, _ = toy_lm.whole_batch_run(params0, batches, tx)
+  step = optax_accum.make_train_step(toy_lm.mean_loss, tx, mode="scan")
+  params, state = params0, tx.init(params0)
+  for batch in batches:
+    params, state, metrics = step(params, state, split_micro_batches(batch, k))
+    assert type(state) is type(tx.init(params0)) and bool(metrics["updated"])
+  assert toy_lm.max_rel_diff(params, whole) <= 1e-5
+  lowered = step.lower(params, state, split_micro_batches(batches[0], k))
+  assert lowered.compile().memory_analysis() is not None
 
 
 def test_a_plain_optimizer_that_accumulates_already_is_refused():
@@ -473,7 +494,7 @@ def test_call_errors():
   with pytest.raises(
     ValueError, match=r"`opt_state` must come from step.init\(params\)"
   ):
-    step(params, optax.adam(1e-3).init(params), toy_lm.make_batch(seed=0))
+    step(params, optax.sgd(1e-3, momentum=0.9).init(params), toy_lm.make_batch(seed=0))
   uneven = {
     "inputs": np.zeros((2, 3, 4), int),
     "targets": np.zeros((3, 3, 4), int),
