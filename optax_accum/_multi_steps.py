@@ -27,6 +27,7 @@ from optax_accum._state import (
   MultiStepsState,
   NonFinitePolicy,
   ShouldSkipUpdateFn,
+  check_single_accumulation,
 )
 from optax_accum._transitions import (
   add_micro_batch,
@@ -252,11 +253,13 @@ class MultiSteps:
     if self.config.should_skip_update_fn is not None:
       zeros = jax.tree.map(jnp.zeros_like, params)
       _, skip_state = self.config.should_skip_update_fn(zeros, gradient_step, params)
+    inner_opt_state = self._opt.init(params)
+    check_single_accumulation(inner_opt_state)
     count, weight = jnp.int32, window.acc_weight.dtype  # A buffer per field:
     return MultiStepsState(  # a state is donated leaf by leaf.
       **window._asdict(),
       gradient_step=gradient_step,
-      inner_opt_state=self._opt.init(params),
+      inner_opt_state=inner_opt_state,
       updated=jnp.zeros([], jnp.bool_),
       skipped_micro_batches=jnp.zeros([], count),
       skipped_windows=jnp.zeros([], count),

@@ -156,3 +156,16 @@ class MultiStepsConfig:
     """Whether the window's sum is divided by its weight (a window_mean sum is
     the mean already)."""
     return bool(self.use_grad_mean) and self.grad_reduction != "window_mean"
+
+
+def check_single_accumulation(inner_state: Any) -> None:
+  """Raises ``ValueError`` where an inner optimizer's state holds a
+  ``MultiSteps`` state: windows of windows, counted wrong (issue 26)."""
+  kinds = (MultiStepsState, optax.MultiStepsState)
+  nodes = jax.tree.leaves(inner_state, is_leaf=lambda x: isinstance(x, kinds))
+  if any(isinstance(node, kinds) for node in nodes):
+    raise ValueError(
+      "The optimizer already accumulates (a MultiSteps inside it): its windows "
+      "would be windows of windows, and the update count wrong. Pass the "
+      "accumulator itself, one optax_accum.MultiSteps, to make_train_step."
+    )

@@ -18,7 +18,6 @@ import optax
 from jax.typing import ArrayLike
 
 from optax_accum import _checks, _reduction, _window
-from optax_accum._inspect import find_states
 from optax_accum._multi_steps import EveryKSchedule, MultiSteps, MultiStepsState
 from optax_accum._programs import (
   Metrics,
@@ -37,6 +36,7 @@ from optax_accum._replicas import (
   sharded_programs,
   summed,
 )
+from optax_accum._state import check_single_accumulation
 
 Mode = Literal["stream", "scan"]
 StepOutput = tuple[optax.Params, MultiStepsState, Metrics]
@@ -244,6 +244,7 @@ class TrainStep:
     expected = jax.eval_shape(self.optimizer.inner_opt.init, params)
     if jax.tree.structure(inner) != jax.tree.structure(expected):  # type: ignore[operator]  # jaxlib stub gap
       _check_state(inner)  # Raises: neither a MultiStepsState nor the inner one.
+    check_single_accumulation(inner)
     shapes = jax.eval_shape(self.optimizer.init, params)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), counters(shapes))
     window = _window.empty(params, self.optimizer.config.accumulator_dtype)
@@ -279,18 +280,8 @@ class TrainStep:
     )
 
   def init(self, params: optax.Params) -> MultiStepsState:
-    """The optimizer state to start a run from: ``self.optimizer.init(params)``.
-
-    Raises ``ValueError`` where the optimizer accumulates twice (an
-    ``optax.MultiSteps`` inside the one the step wraps a plain optimizer in).
-    """
-    state = self.optimizer.init(params)
-    if find_states(state.inner_opt_state, (MultiStepsState, optax.MultiStepsState)):
-      raise ValueError(
-        "The optimizer already accumulates (a MultiSteps inside it): pass the "
-        "accumulator itself, an optax_accum.MultiSteps, to make_train_step."
-      )
-    return state
+    """The optimizer state to start a run from: ``self.optimizer.init(params)``."""
+    return self.optimizer.init(params)
 
   def lower(
     self,

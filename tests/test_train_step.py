@@ -414,8 +414,25 @@ def test_scan_mode_takes_the_optimizers_own_state_and_returns_it():
 def test_a_plain_optimizer_that_accumulates_already_is_refused():
   inner = optax.MultiSteps(optax.adam(1e-3), 2).gradient_transformation()
   step = optax_accum.make_train_step(toy_lm.mean_loss, inner, mode="scan")
+  params = toy_lm.init_params(seed=0)
   with pytest.raises(ValueError, match=r"already accumulates"):
-    step.init(toy_lm.init_params(seed=0))
+    step.init(params)
+  with pytest.raises(ValueError, match=r"already accumulates"):  # Its own state.
+    step(params, inner.init(params), split_micro_batches(toy_lm.make_batch(0), 2))
+
+
+def test_an_accumulator_inside_multi_steps_is_refused_on_every_path():
+  """Issue 26, item 8: `opt.init` (not only `step.init`) refuses it; before,
+  the streaming step ran and `update_count` said 3 where the inner
+  accumulator had updated every second window."""
+  inner = optax.MultiSteps(optax.sgd(1.0), 2).gradient_transformation()
+  opt = optax_accum.MultiSteps(inner, 2)
+  optax_accum.make_train_step(toy_lm.mean_loss, opt)  # Building it is fine.
+  with pytest.raises(ValueError, match=r"already accumulates"):
+    opt.init(toy_lm.init_params(seed=0))
+  nested = optax_accum.MultiSteps(optax_accum.MultiSteps(optax.sgd(1.0), 2), 2)
+  with pytest.raises(ValueError, match=r"already accumulates"):
+    nested.init(toy_lm.init_params(seed=0))
 
 
 def test_a_batch_array_shared_with_params_is_not_donated_away():
