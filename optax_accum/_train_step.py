@@ -192,7 +192,7 @@ class TrainStep:
     end_window: ArrayLike = False,
   ) -> StepOutput:
     if self.mode == "scan":
-      return self._window(params, opt_state, batch, rng, end_window)
+      return self._whole_window(params, opt_state, batch, rng, end_window)
     _check_state(opt_state)
     if end_window is not False:  # Checked on every micro-step, not only the last.
       _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
@@ -225,7 +225,7 @@ class TrainStep:
       self._remember(known._replace(value=value, k=k), out, ends)
     return out
 
-  def _window(
+  def _whole_window(
     self, params: Any, opt_state: Any, batch: Any, rng: Any, end_window: Any
   ) -> tuple[Any, Any, Metrics]:
     """Scan mode: a whole window; the optimizer's own state comes back as such."""
