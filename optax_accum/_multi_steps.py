@@ -130,6 +130,9 @@ class MultiSteps:
       up to the window's mean: they are summed as they are, and ``weight``
       (optional, default 1) only counts items for the state, the metrics and
       ``window_weight``. :meth:`window_loss` is then the sum of the losses.
+      No micro-batch can be dropped alone (each share counts the whole
+      window): ``on_nonfinite="skip_micro_batch"`` is refused, and a bad
+      ``weight`` drops its window.
     axis_name: Inside ``shard_map`` or ``pmap``: the data-parallel mesh axis
       (or axes) to sum weights, weighted gradients and losses over, so each
       window's gradient is the token mean over all replicas. Not needed under

@@ -124,6 +124,14 @@ class MultiStepsConfig:
     _checks.one_of(
       self.on_nonfinite, ("skip_window", "skip_micro_batch"), name="on_nonfinite"
     )
+    if self.grad_reduction == "window_mean" and self.on_nonfinite != "skip_window":
+      raise ValueError(
+        "grad_reduction='window_mean' keeps the default on_nonfinite="
+        "'skip_window': each loss was divided by a window total that counts "
+        "every micro-batch, so dropping one alone would shrink the update "
+        "(by the kept share of the window's items). Use grad_reduction='mean' "
+        "or 'sum' with weight=n_items to drop single micro-batches."
+      )
     if not isinstance(self.use_grad_mean, bool | np.bool_):
       raise ValueError(f"`use_grad_mean` must be a bool, got {self.use_grad_mean!r}.")
     dtype = self.accumulator_dtype

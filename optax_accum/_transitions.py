@@ -94,6 +94,8 @@ def add_micro_batch(
   )
   weigh = config.grad_reduction == "mean"
   window = _window.add(window, grads, loss, kept, reduction=reduction, weigh=weigh)
+  if config.grad_reduction == "window_mean":  # Shares of the whole window's mean.
+    window = _window.spoil(window, kept.dropped)
   added = state._replace(
     **window._asdict(),
     updated=jnp.zeros_like(state.updated),

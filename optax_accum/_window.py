@@ -204,6 +204,23 @@ def add(
   )
 
 
+def spoil(window: Window, where: ArrayLike) -> Window:
+  """``window`` with a NaN sum where ``where``: it will end without an update
+  (see :func:`nonfinite`), as a window holding a NaN gradient does. For sums of
+  shares of the window's mean, which cannot drop one micro-batch alone.
+
+  Examples:
+    >>> w = spoil(empty(jnp.zeros(2)), True)
+    >>> bool(nonfinite(w, squares(w, jnp.zeros(2))))
+    True
+  """
+  where = jnp.asarray(where)
+  acc = jax.tree.map(
+    lambda a: jnp.where(where, jnp.full_like(a, jnp.nan), a), window.acc_grads
+  )
+  return window._replace(acc_grads=acc)
+
+
 def _increment(count: jax.Array) -> jax.Array:
   """``count + 1``, saturating at the dtype's maximum."""
   top = jnp.iinfo(count.dtype).max

@@ -10,19 +10,23 @@ docstring, not from the library's code:
 - A counted micro-batch whose weight is negative or not finite on any replica,
   or (``on_nonfinite="skip_micro_batch"``) whose gradient or loss is not finite
   on a replica with positive weight, adds nothing on every replica and
-  increments ``skipped_micro_batches`` once.
+  increments ``skipped_micro_batches`` once. Under ``"window_mean"`` (whose
+  losses are shares of the whole window's mean) a bad weight drops the whole
+  window instead: it ends as a non-finite window.
 - Otherwise every replica with positive weight adds ``w * g`` (``"mean"``) or
-  ``g`` (``"sum"``) to the window's gradient sum, ``w`` to its weight and
-  ``w * loss`` (or ``loss``) to its loss; weights and products are at least
-  float32 whatever the accumulator dtype; sums are kept in the accumulator dtype.
+  ``g`` (``"sum"``, ``"window_mean"``) to the window's gradient sum, ``w`` to
+  its weight and ``w * loss`` (or ``loss``) to its loss; weights and products
+  are at least float32 whatever the accumulator dtype; sums are kept in the
+  accumulator dtype.
 - A streamed window ends after ``max(1, k(updates))`` counted micro-batches or
   on ``end_window=True``; a scan-mode call ends one window after its last
   micro-batch.
 - A window with total weight 0 ends without an update. A window whose sums are
   not finite, or whose gradient (the sum divided by the weight with
-  ``use_grad_mean``) overflows its leaf dtype, ends without an update and
-  counts in ``skipped_windows``. Otherwise the inner optimizer (plain SGD whose learning
-  rate is ``schedule(progress)``) runs once on the window gradient.
+  ``use_grad_mean``, except under ``"window_mean"``) overflows its leaf dtype,
+  ends without an update and counts in ``skipped_windows``. Otherwise the
+  inner optimizer (plain SGD whose learning rate is ``schedule(progress)``)
+  runs once on the window gradient.
 - Every micro-batch of a run, whatever happens to it, gets the key
   ``jax.random.fold_in(rng, n)`` with ``n`` the number of micro-batches the run
   saw before it (``MultiStepsState.micro_batches_seen``).
@@ -186,6 +190,7 @@ class Reference:
         "skipped_window",
         "empty_window",
         "dropped",
+        "window_mean_drop",
         "rejected",
         "zero_weight",
       ],
@@ -224,6 +229,10 @@ class Reference:
     weights = [float(np.asarray(r.weight, self.wd)) for r in mb.replicas]
     if not all(math.isfinite(w) and w >= 0 for w in weights):
       self.skipped_mb = self._inc(self.skipped_mb)
+      if cfg.grad_reduction == "window_mean":  # The window's shares are lost.
+        self.stats["window_mean_drop"] += 1
+        self.bad = {n: np.ones(self.shapes[n], bool) for n in self.names}
+        self.acc = {n: np.full(self.shapes[n], np.nan) for n in self.names}
       self.stats["dropped"] += 1
       return True
     adding = [(r, w) for r, w in zip(mb.replicas, weights, strict=True) if w > 0]
@@ -281,9 +290,11 @@ class Reference:
       return 0.0, 0.0
     if self.bad_l:
       return math.nan, 0.0
-    value = self.acc_l / self.acc_w
+    shares = self.config.grad_reduction == "window_mean"
+    scale = 1.0 if shares else self.acc_w
+    value = self.acc_l / scale
     e = eps(self.wd) * (self.adds + 3)
-    return value, e * (self.acc_l_abs / self.acc_w + abs(value))
+    return value, e * (self.acc_l_abs / scale + abs(value))
 
   def _close(self) -> tuple[dict | None, float, float, bool]:
     """Ends the window: (update, grad_norm, its tolerance, applied)."""
@@ -292,7 +303,8 @@ class Reference:
     nonfinite = False
     grads, tols = {}, {}
     if positive:
-      scale = self.acc_w if cfg.use_grad_mean else 1.0
+      divides = cfg.use_grad_mean and cfg.grad_reduction != "window_mean"
+      scale = self.acc_w if divides else 1.0
       nonfinite = self.bad_l or any(b.any() for b in self.bad.values())
       squares = 0.0
       for name in self.names if not nonfinite else ():
@@ -422,7 +434,7 @@ def draw_config(rng: np.random.Generator, *, replicas: int, train_step: bool) ->
     every_k: int | tuple[int, int] = int(rng.integers(1, 5))
   else:
     every_k = (int(rng.integers(0, 4)), int(rng.integers(0, 4)))
-  reduction = str(rng.choice(["mean", "sum"]))
+  reduction = str(rng.choice(["mean", "sum", "window_mean"], p=[0.4, 0.35, 0.25]))
   acc_choices = [None, None, None, "float32", "bfloat16", "float16"]
   accumulator = acc_choices[rng.integers(len(acc_choices))]
   if x64 and rng.random() < 0.3:
@@ -439,7 +451,9 @@ def draw_config(rng: np.random.Generator, *, replicas: int, train_step: bool) ->
     every_k=every_k,
     use_grad_mean=bool(rng.random() < 0.75),
     grad_reduction=reduction,
-    on_nonfinite=str(rng.choice(["skip_window", "skip_micro_batch"])),
+    on_nonfinite="skip_window"
+    if reduction == "window_mean"
+    else str(rng.choice(["skip_window", "skip_micro_batch"])),
     skip_fn=bool(rng.random() < 0.3),
     accumulator_dtype=accumulator,
     unit=unit,

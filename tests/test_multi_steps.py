@@ -343,6 +343,29 @@ def test_window_mean_sums_shares_of_the_windows_mean():
   assert float(state.last_window_weight) == 3
 
 
+def test_window_mean_refuses_to_drop_a_micro_batch_alone():
+  """Issue 26, item 1: each window_mean loss is divided by a total that counts
+  every micro-batch, so dropping one alone shrank the update to the kept
+  share (0.909x). The combination is refused; a bad weight drops the window."""
+  with pytest.raises(ValueError, match=r"window_mean.*skip_window"):
+    optax_accum.MultiSteps(
+      optax.sgd(1.0), 4, grad_reduction="window_mean", on_nonfinite="skip_micro_batch"
+    )
+  opt = optax_accum.MultiSteps(optax.sgd(1.0), 3, grad_reduction="window_mean")
+  state = opt.init(PARAMS)
+  for i, w in enumerate([4.0, jnp.nan, 6.0, 1.0, 2.0, 3.0]):
+    out, state = opt.update(_grads(i), state, PARAMS, weight=w)
+    if i == 2:  # The window with the NaN weight: no update, counted twice.
+      assert not bool(state.updated)
+      assert int(state.skipped_micro_batches) == 1
+      assert int(state.skipped_windows) == 1
+      chex.assert_trees_all_equal(out, jax.tree.map(jnp.zeros_like, PARAMS))
+  # The next window is whole again.
+  assert bool(state.updated) and int(state.gradient_step) == 1
+  expected = jax.tree.map(lambda *g: -sum(g), _grads(3), _grads(4), _grads(5))
+  chex.assert_trees_all_close(out, expected, rtol=1e-6)
+
+
 def test_no_recompilation_across_windows():
   opt = optax_accum.MultiSteps(optax.adamw(0.1), 3)
 
