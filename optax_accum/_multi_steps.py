@@ -110,7 +110,9 @@ class MultiSteps:
     opt: The optimizer to run once per window.
     every_k_schedule: Micro-batches per window: an int ``>= 1``, or a callable
       of the update count (int32 ``[]``) returning one (cast to int32). A
-      value below 1 returned at run time is treated as 1.
+      value below 1 returned at run time is treated as 1. ``"end_window"``:
+      no count ends a window, only a call with ``end_window=True`` does
+      (dynamic batching, where the caller knows where each window ends).
     use_grad_mean: If ``True`` (default) the emitted gradient is divided by
       the window's total weight; otherwise it is the weighted sum. No effect
       with ``grad_reduction="window_mean"``, whose sum is already the mean.

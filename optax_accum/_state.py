@@ -17,7 +17,10 @@ from optax_accum._reduction import AxisName
 
 GradReduction = Literal["mean", "sum", "window_mean"]
 NonFinitePolicy = Literal["skip_window", "skip_micro_batch"]
-EveryKSchedule = int | Callable[[jax.Array], ArrayLike]
+EveryKSchedule = int | Callable[[jax.Array], ArrayLike] | Literal["end_window"]
+#: ``every_k_schedule`` for windows that only the caller ends (``end_window=True``).
+END_WINDOW = "end_window"
+_NEVER = np.iinfo(np.int32).max  # A window length no count reaches.
 ShouldSkipUpdateFn = Callable[..., tuple[ArrayLike, Any]]
 
 #: Extra argument the inner optimizer receives at the end of a window: the
@@ -110,11 +113,12 @@ class MultiStepsConfig:
 
   def __post_init__(self) -> None:
     k = self.every_k_schedule
-    if not callable(k):
+    if not callable(k) and k != END_WINDOW:
       if isinstance(k, bool | np.bool_) or not isinstance(k, int | np.integer):
         raise ValueError(
-          "`every_k_schedule` must be an int or a callable of the update count, "
-          f"got {k!r} ({type(k).__name__})."
+          "`every_k_schedule` must be an int, a callable of the update count or "
+          f"'end_window' (the caller ends every window), got {k!r} "
+          f"({type(k).__name__})."
         )
       if k < 1:
         raise ValueError(f"`every_k_schedule` must be >= 1, got {k}.")
@@ -144,14 +148,17 @@ class MultiStepsConfig:
 
   def k_at(self, update_count: ArrayLike) -> jax.Array:
     """Micro-batches per window after ``update_count`` updates (int32, >= 1)."""
-    schedule = self.every_k_schedule
-    k = schedule(jnp.asarray(update_count)) if callable(schedule) else schedule
+    k_of = self.every_k_schedule
+    k = k_of(jnp.asarray(update_count)) if callable(k_of) else self.constant_k
     return jnp.maximum(jnp.asarray(k).astype(jnp.int32), 1)
 
   @property
   def constant_k(self) -> int | None:
-    """The window length when ``every_k_schedule`` is an int, else ``None``."""
+    """The window length when it is the same for every window, else ``None``.
+    Under ``"end_window"`` it is the int32 maximum: no count ends a window."""
     k = self.every_k_schedule
+    if k == END_WINDOW:
+      return _NEVER
     return None if callable(k) else int(k)
 
   @property

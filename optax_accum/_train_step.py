@@ -426,8 +426,9 @@ def _accumulator(
       "`optimizer` must be an optax_accum.MultiSteps in streaming mode unless "
       "`every_k_schedule=` says how many micro-batches make a window; got "
       f"{type(optimizer).__qualname__} and no every_k_schedule. Pass "
-      "every_k_schedule=k, or use mode='scan', where the batch's leading axis "
-      "is the window."
+      "every_k_schedule=k (or 'end_window' when your loop ends every window "
+      "with end_window=True), or use mode='scan', where the batch's leading "
+      "axis is the window."
     )
   return MultiSteps(optimizer, every_k_schedule)
 
@@ -496,7 +497,8 @@ def make_train_step(
       without it XLA sums every micro-batch's gradient. Each replica's
       ``loss_fn`` gets its own key, ``fold_in(key, replica)``.
     every_k_schedule: With a plain optax optimizer in streaming mode: the
-      micro-batches per window, as :class:`MultiSteps` takes it. An error
+      micro-batches per window, as :class:`MultiSteps` takes it
+      (``"end_window"``: every window ends on ``end_window=True``). An error
       with a ``MultiSteps`` (it has its own) and in scan mode (the leading
       axis is the window).
 

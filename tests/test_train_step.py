@@ -392,6 +392,44 @@ def test_a_plain_optax_optimizer_is_wrapped_for_its_mode(mode):
       step(params, _adamw().init(params), windows[0])
 
 
+def test_the_caller_ends_every_window_without_a_dummy_k():
+  """Issue 27, item 4: a dynamic batcher ends each window itself; with
+  `every_k_schedule="end_window"` no count ends one, and a schedule in tokens
+  gives the whole-batch run's learning rates."""
+  schedule = optax_accum.progress_schedule(SCHEDULE, unit="weight", per_update=200)
+  adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule)
+  step = optax_accum.make_train_step(
+    toy_lm.mean_loss, adamw, every_k_schedule="end_window"
+  )
+  sizes = [2, 5, 1, 3]  # Micro-batches per window, as the batcher packed them.
+  batches = [toy_lm.make_batch(seed=i, batch=4 * k) for i, k in enumerate(sizes)]
+  params = toy_lm.init_params(seed=0)
+  state = step.init(params)
+  for batch, k in zip(batches, sizes, strict=True):
+    for i, micro_batch in enumerate(toy_lm.split(batch, k)):
+      params, state, metrics = step(params, state, micro_batch, end_window=i == k - 1)
+      assert bool(metrics["updated"]) == (i == k - 1)
+  assert int(metrics["update_count"]) == len(sizes)
+
+  @jax.jit
+  def whole_batch(params, state, batch):
+    grads = jax.grad(lambda p: toy_lm.mean_loss(p, batch)[0])(params)
+    window_weight = batch["mask"].sum().astype(jnp.float32)
+    updates, state = adamw.update(grads, state, params, window_weight=window_weight)
+    return optax.apply_updates(params, updates), state
+
+  whole, whole_state = toy_lm.init_params(seed=0), adamw.init(toy_lm.init_params(0))
+  for batch in batches:
+    whole, whole_state = whole_batch(whole, whole_state, batch)
+  assert toy_lm.max_rel_diff(params, whole) <= 1e-5
+  assert toy_lm.max_rel_diff(toy_lm.init_params(seed=0), whole) > 1e-3
+  np.testing.assert_allclose(
+    metrics["learning_rate"], whole_state.hyperparams["learning_rate"], rtol=1e-6
+  )
+  with pytest.raises(ValueError, match=r"'end_window' \(the caller ends every"):
+    optax_accum.MultiSteps(adamw, every_k_schedule="end_windows")
+
+
 def test_scan_mode_takes_the_optimizers_own_state_and_returns_it():
   """Issue 27: `tx.init(params)`, as every optax user writes it, in scan mode.
 
