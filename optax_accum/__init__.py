@@ -8,6 +8,7 @@ from optax_accum._inspect import (
   get_update_count,
   schedule_free_eval_params,
 )
+from optax_accum._micro_batch_plan import MicroBatchPlan
 from optax_accum._multi_steps import (
   WINDOW_MICRO_STEPS,
   WINDOW_WEIGHT,
@@ -15,7 +16,8 @@ from optax_accum._multi_steps import (
   MultiStepsConfig,
   MultiStepsState,
 )
-from optax_accum._planning import MicroBatchPlan, plan_micro_batches
+from optax_accum._optax_microbatch import weighted_mean_accumulator
+from optax_accum._planning import plan_micro_batches
 from optax_accum._schedules import ProgressSchedule, ProgressState, progress_schedule
 from optax_accum._train_step import TrainStep, make_train_step
 
@@ -44,4 +46,5 @@ __all__ = (
   "progress_schedule",
   "schedule_free_eval_params",
   "split_micro_batches",
+  "weighted_mean_accumulator",
 )

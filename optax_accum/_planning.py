@@ -9,13 +9,11 @@ from collections.abc import Callable
 from typing import Any, TypeAlias
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
 
-from optax_accum._batching import split_micro_batches
 from optax_accum._checks import callable_arg, one_of
+from optax_accum._micro_batch_plan import MicroBatchPlan
 from optax_accum._multi_steps import MultiSteps
 from optax_accum._planning_inputs import (
   batch_leaves,
@@ -32,144 +30,12 @@ from optax_accum._planning_programs import (
   ResidentBytes,
   compile_candidate,
 )
-from optax_accum._report import size, table
+from optax_accum._report import size
 from optax_accum._train_step import Mode
 
 OptimizerSpec: TypeAlias = optax.GradientTransformation | Callable[[int], MultiSteps]
 
 _PROGRESS_DELAY_S = 2.0  # The progress bar appears once planning takes longer.
-
-
-@dataclasses.dataclass(frozen=True)
-class MicroBatchPlan:
-  """What :func:`plan_micro_batches` chose, and the table it chose from.
-
-  Build the run with ``MultiSteps(opt, every_k_schedule=plan.k)`` and
-  ``make_train_step(loss_fn, ..., mode=plan.mode)``; ``plan.split(batch)``
-  cuts a global batch into the micro-batches the plan compiled for.
-  ``print(plan)`` shows the table.
-  """
-
-  mode: Mode
-  global_batch: int
-  micro_batch: int
-  k: int
-  last_micro_batch: int  # Real rows in each window's last micro-batch.
-  pad_rows: int  # Zero rows appended to the last micro-batch (pad=True).
-  peak_bytes: int  # Predicted per-device peak at this size.
-  budget_bytes: int
-  params_bytes: int  # Per device, as XLA counts them.
-  opt_state_bytes: int  # The inner optimizer's state, per device.
-  accumulator_bytes: int  # The accumulator and counters, per device.
-  candidates: tuple[PlanCandidate, ...]  # In the order compiled.
-  other_mode: PlanCandidate | None  # The other mode at this micro-batch.
-  seconds: float  # Wall time of the whole plan.
-
-  @property
-  def chosen(self) -> PlanCandidate:
-    return next(c for c in self.candidates if c.micro_batch == self.micro_batch)
-
-  @property
-  def compile_seconds(self) -> float:
-    return sum(c.compile_seconds for c in self.candidates)
-
-  def split(self, batch: Any) -> Any:
-    """Cuts a global batch of ``global_batch`` rows as the plan compiled it.
-
-    Streaming: a list of ``k`` micro-batches, consecutive blocks of
-    ``micro_batch`` rows; the last holds the remaining rows, or is padded with
-    zero rows to ``micro_batch`` when the plan pads. NumPy leaves stay on the
-    host; a jax array's blocks are placed with its sharding (the plan counts
-    one micro-batch on the device at a time: a window kept on the device must
-    fit in the headroom). Scan: one tree with a leading axis of ``k``
-    micro-batches (:func:`split_micro_batches`, after padding).
-    """
-    leaves = batch_leaves(batch)
-    rows = {np.shape(leaf)[0] for _, leaf in leaves}
-    if rows != {self.global_batch}:
-      raise ValueError(
-        f"`batch` must have the plan's {self.global_batch} rows, got leading "
-        f"sizes {sorted(rows)}."
-      )
-    if self.pad_rows:
-      batch = jax.tree.map(lambda x: _pad_rows(x, self.pad_rows), batch)
-    if self.mode == "scan":
-      return split_micro_batches(batch, self.k)
-    return [
-      jax.tree.map(
-        lambda x, i=i: _placed_like(
-          x[i * self.micro_batch : (i + 1) * self.micro_batch], x
-        ),
-        batch,
-      )
-      for i in range(self.k)
-    ]
-
-  def __str__(self) -> str:
-    return "\n".join(
-      [
-        *self._summary_lines(),
-        *table(*self._candidate_rows()),
-        f"  {len(self.candidates)} sizes compiled in {self.seconds:.1f} s "
-        "(peak = arguments + outputs - donated aliases + temporaries, + the "
-        "optimizer state for accumulate)",
-      ]
-    )
-
-  def _summary_lines(self) -> list[str]:
-    """The chosen size, its peak against the budget, and the other mode's peak."""
-    last = (
-      f"{self.last_micro_batch} rows + {self.pad_rows} zero rows"
-      if self.pad_rows
-      else f"{self.last_micro_batch} rows"
-    )
-    lines = [
-      f"micro-batch plan ({self.mode}): {self.micro_batch} rows x k={self.k} for "
-      f"a global batch of {self.global_batch} (last micro-batch: {last})",
-      f"  peak {size(self.peak_bytes)} per device, budget {size(self.budget_bytes)}"
-      f"; resident: params {size(self.params_bytes)}, optimizer state "
-      f"{size(self.opt_state_bytes)}, accumulator {size(self.accumulator_bytes)}",
-    ]
-    if self.other_mode is not None:
-      lines.append(self._other_mode_line(self.other_mode))
-    return lines
-
-  def _other_mode_line(self, other: PlanCandidate) -> str:
-    smaller = self.mode if self.chosen.peak_bytes <= other.peak_bytes else other.mode
-    stacked = ""
-    if other.mode == "scan":
-      padded = other.k * other.micro_batch != self.global_batch
-      stacked = f" (stacked batch{', padded,' if padded else ''} included)"
-    return (
-      f"  {other.mode} at {other.micro_batch} rows x k={other.k}: "
-      f"{size(other.peak_bytes)}{stacked}; {smaller} needs less"
-    )
-
-  def _candidate_rows(self) -> tuple[list[list[str]], list[str]]:
-    """The table of candidates by size, and the mark of the chosen one."""
-    chosen = self.chosen
-    names = [
-      name
-      for name in ("accumulate", "update", "scan")
-      if any(p.program == name for c in self.candidates for p in c.programs)
-    ]
-    rows = [["micro", "k", "last", *names, "peak", "fits", "compile s"]]
-    marks = [""]
-    for c in sorted(self.candidates, key=lambda c: c.micro_batch):
-      by_name: dict[str, str] = {p.program: size(p.peak_bytes) for p in c.programs}
-      rows.append(
-        [
-          str(c.micro_batch),
-          str(c.k),
-          str(c.last_micro_batch),
-          *(by_name.get(name, "-") for name in names),
-          size(c.peak_bytes),
-          "yes" if c.fits else "no",
-          f"{c.compile_seconds:.2f}",
-        ]
-      )
-      marks.append("  <- chosen" if c is chosen else "")
-    return rows, marks
 
 
 def plan_micro_batches(
@@ -349,10 +215,16 @@ def _plan(
     params_bytes=setup.resident.params_bytes,
     opt_state_bytes=setup.resident.opt_state_bytes,
     accumulator_bytes=setup.resident.accumulator_bytes,
-    candidates=tuple(compiled),
+    candidates=tuple(_without_step(c, chosen) for c in compiled),
     other_mode=other_mode,
     seconds=time.perf_counter() - started,
   )
+
+
+def _without_step(candidate: PlanCandidate, chosen: PlanCandidate) -> PlanCandidate:
+  """``candidate`` without its train step unless it is the chosen one: the
+  plan keeps one set of compiled programs alive, the ones it hands back."""
+  return candidate if candidate is chosen else dataclasses.replace(candidate, step=None)
 
 
 # -- budget ------------------------------------------------------------------
@@ -504,21 +376,3 @@ class _Progress:
   def __exit__(self, *exc: Any) -> None:
     if self._bar is not None:
       self._bar.close()
-
-
-# -- splitting a batch -------------------------------------------------------
-
-
-def _pad_rows(x: Any, rows: int) -> Any:
-  zeros_shape = (rows, *np.shape(x)[1:])
-  if isinstance(x, jax.Array):
-    padded = jnp.concatenate([x, jnp.zeros(zeros_shape, x.dtype)])
-    return _placed_like(padded, x)
-  return np.concatenate([np.asarray(x), np.zeros(zeros_shape, np.asarray(x).dtype)])
-
-
-def _placed_like(part: Any, whole: Any) -> Any:
-  """``part`` of a jax array, placed with the whole array's sharding."""
-  if isinstance(whole, jax.Array) and isinstance(whole.sharding, NamedSharding):
-    return jax.device_put(part, whole.sharding)
-  return part

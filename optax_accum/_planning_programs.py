@@ -58,6 +58,8 @@ class PlanCandidate:
   last_micro_batch: int  # Real rows in a window's last micro-batch.
   programs: tuple[ProgramMemory, ...]
   budget_bytes: int
+  # The train step whose programs were compiled (None once the plan let it go).
+  step: Any = dataclasses.field(default=None, repr=False, compare=False)
 
   @property
   def peak_bytes(self) -> int:
@@ -129,7 +131,9 @@ def compile_candidate(setup: CandidateSetup, micro: int, mode: Mode) -> PlanCand
     accumulate = [_analyse(step, setup, "accumulate", micro)] if k > 1 else []
     update_rows = micro if setup.pad else last
     programs = [*accumulate, _analyse(step, setup, "update", update_rows)]
-  return PlanCandidate(mode, micro, k, last, tuple(programs), setup.budget_bytes)
+  return PlanCandidate(
+    mode, micro, k, last, tuple(programs), setup.budget_bytes, step=step
+  )
 
 
 def _analyse(

@@ -118,10 +118,10 @@ class _Known(NamedTuple):
     """The window's micro-batches so far and its length, read from ``state``
     where not known."""
     value = _host_int(state.mini_step) if self.value is None else self.value
-    k = self.k
+    k = self.k if self.k is not None else optimizer.config.constant_k
     if k is None:
       k = int(optimizer.k_at(_host_int(state.gradient_step)))
-    return value, k
+    return value, max(k, 1)
 
 
 class TrainStep:

@@ -5,6 +5,7 @@ budgets are stated in bytes, and what is checked is computed from XLA's own
 memory analyses, never written down.
 """
 
+import logging
 import math
 import re
 import sys
@@ -155,6 +156,60 @@ def test_stream_plan_fits_the_budget_and_matches_the_run(monkeypatch, capsys):
     line for line in text.splitlines() if re.match(r"\s+\d+\s+\d+\s+\d+\s", line)
   ]
   assert len(table) == len(plan.candidates)
+
+
+def _compiled_during(caplog, run):
+  """What ``run()`` returns, and the programs XLA compiled while it ran."""
+  caplog.clear()
+  with caplog.at_level(logging.WARNING), jax.log_compiles(True):
+    out = run()
+  return out, [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+def test_the_plans_step_runs_its_windows_without_compiling_again(mode, caplog):
+  """Issue 27, item 3: the plan hands back the step it compiled and measured;
+  two windows run on it compile nothing, and equal the whole-batch updates."""
+  rows, inner = 37, optax.sgd(0.1, momentum=0.9)
+  params = _params()
+  plan = optax_accum.plan_micro_batches(
+    _loss,
+    inner,
+    params,
+    _batch(rows),
+    memory_budget=50_000 if mode == "stream" else 48_000,
+    mode=mode,
+    pad=mode == "scan",
+    compare_modes=False,
+    progress=False,
+  )
+  assert 1 < plan.k < rows and plan.step.mode == mode
+  assert plan.step.optimizer.config.constant_k == plan.k
+  batches = [_batch(rows, seed=s) for s in (1, 2)]
+
+  def two_windows(step_params, opt_state):
+    for batch in batches:
+      step_params, opt_state, metrics = plan.window(step_params, opt_state, batch)
+    return step_params, metrics
+
+  start = (jax.tree.map(jnp.copy, params), plan.step.init(params))
+  (got, metrics), compiled = _compiled_during(caplog, lambda: two_windows(*start))
+  assert compiled == [] and int(metrics["update_count"]) == 2
+  # The check can fail: a step built anew compiles its programs.
+  fresh = optax_accum.make_train_step(_loss, plan.step.optimizer, mode=mode)
+  calls = plan.split(batches[0])
+  first = calls if mode == "scan" else calls[0]
+  copy = jax.tree.map(jnp.copy, params)
+  _, compiled = _compiled_during(caplog, lambda: fresh(copy, fresh.init(copy), first))
+  assert compiled
+
+  whole, state = params, inner.init(params)
+  for batch in batches:
+    grads, _ = jax.grad(_loss, has_aux=True)(whole, batch)
+    updates, state = inner.update(grads, state, whole)
+    whole = optax.apply_updates(whole, updates)
+  for name in params:
+    np.testing.assert_allclose(got[name], whole[name], rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
