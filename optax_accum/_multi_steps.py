@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike, DTypeLike
 
-from optax_accum import _checks, _reduction, _window
+from optax_accum import _checks, _reduction, _terms
 from optax_accum._reduction import AxisName
 from optax_accum._state import (
   WINDOW_MICRO_STEPS,
@@ -31,6 +31,7 @@ from optax_accum._state import (
 )
 from optax_accum._transitions import (
   add_micro_batch,
+  by_term,
   check_extra_args,
   closed,
   run_inner,
@@ -144,6 +145,12 @@ class MultiSteps:
       its whole window atomically when the window ends; ``"skip_micro_batch"``
       drops only that micro-batch (one more check per micro-batch) and keeps
       the window. Either way the state counts what was dropped.
+    terms: Names of loss terms that each keep their own weight over the
+      window (``docs/loss_terms.md``): ``updates``, ``weight`` and ``loss``
+      are then dicts by term name, and the window's gradient is the sum over
+      terms of each term's weighted mean, ``sum_t A_t / W_t``. One
+      params-sized accumulator per term; the first term's weight is the
+      window's ``window_weight``.
 
   Examples:
     Two micro-batches with 1 and 3 tokens: the emitted gradient is the token
@@ -175,6 +182,7 @@ class MultiSteps:
     grad_reduction: GradReduction = "mean",
     axis_name: AxisName | None = None,
     on_nonfinite: NonFinitePolicy = "skip_window",
+    terms: tuple[str, ...] | None = None,
   ):
     if not (hasattr(opt, "init") and hasattr(opt, "update")):
       raise ValueError(
@@ -188,6 +196,7 @@ class MultiSteps:
       grad_reduction,
       axis_name,
       on_nonfinite,
+      terms,
     )
     self._given_opt, self._opt = opt, optax.with_extra_args_support(opt)
 
@@ -247,12 +256,13 @@ class MultiSteps:
       (0.0, 2.5)
     """
     shares = self.config.grad_reduction == "window_mean"
-    return _window.mean_loss(window_of(state), shares=shares)
+    return _terms.mean_loss(window_of(state), shares=shares)
 
   def init(self, params: optax.Params) -> MultiStepsState:
     """Returns the state for a fresh run: an empty window and no updates."""
     _checks.check_inexact_leaves(params, name="params")
-    window = _window.empty(params, self.config.accumulator_dtype)
+    terms = len(self.config.terms or ())
+    window = _terms.empty(params, self.config.accumulator_dtype, terms)
     gradient_step = jnp.zeros([], jnp.int32)
     skip_state: Any = ()
     if self.config.should_skip_update_fn is not None:
@@ -260,7 +270,7 @@ class MultiSteps:
       _, skip_state = self.config.should_skip_update_fn(zeros, gradient_step, params)
     inner_opt_state = self._opt.init(params)
     check_single_accumulation(inner_opt_state)
-    count, weight = jnp.int32, window.acc_weight.dtype  # A buffer per field:
+    count, weight = jnp.int32, _terms.weight(window).dtype  # A buffer per field:
     return MultiStepsState(  # a state is donated leaf by leaf.
       **window._asdict(),
       gradient_step=gradient_step,
@@ -280,15 +290,17 @@ class MultiSteps:
     state: MultiStepsState,
     params: optax.Params | None = None,
     *,
-    weight: ArrayLike | None = None,
+    weight: ArrayLike | dict[str, ArrayLike] | None = None,
     end_window: ArrayLike | None = None,
-    loss: ArrayLike | None = None,
+    loss: ArrayLike | dict[str, ArrayLike] | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, MultiStepsState]:
     """Adds one micro-batch to the window; runs the optimizer if it ends it.
 
     Args:
-      updates: The micro-batch's gradient, a tree like params.
+      updates: The micro-batch's gradient, a tree like params. With
+        ``terms``, ``updates``, ``weight`` and ``loss`` are dicts by term name,
+        each entry a term's gradient, weight and loss.
       state: The current state.
       params: Current params, forwarded to the inner optimizer.
       weight: Items (tokens, samples) behind ``updates``; a scalar, traced or
@@ -314,10 +326,13 @@ class MultiSteps:
     ends = window_ends(self.config, added, counted, end_window)
     optional = {} if loss is None else {"value": self.window_loss(added)}
 
+    terms = self.config.terms
+    like = updates if terms is None else by_term(terms, updates, "updates")[0]
+
     def finish() -> tuple[Any, Any, jax.Array]:
       window = window_of(added)
-      grads, squares = _window.finish(window, updates, self.config.divides)
-      finite = ~reduction.any(_window.nonfinite(window, squares), added.acc_weight)
+      grads, squares = _terms.finish(window, like, self.config.divides)
+      finite = ~reduction.any(_terms.nonfinite(window, squares), added.acc_weight)
       new, inner = run_inner(self._opt, grads, added, params, extra_args, optional)
       new = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new)
       old = added.inner_opt_state
@@ -330,7 +345,7 @@ class MultiSteps:
       unchanged = jax.tree.map(typed_like, added.inner_opt_state, inner)
       return zeros, unchanged, typed_like(jnp.array(False), finite)
 
-    positive = ends & (added.acc_weight > 0)
+    positive = ends & _terms.has_weight(window_of(added))
     new_updates, inner, finite = jax.lax.cond(positive, finish, hold)
     new_state = closed(
       added,

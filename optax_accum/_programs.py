@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum import _reduction, _window
+from optax_accum import _reduction, _terms
 from optax_accum import _transitions as ms
 from optax_accum._inspect import get_hyperparams
 from optax_accum._multi_steps import MultiSteps
@@ -70,12 +70,19 @@ def learning_rate(state: MultiStepsState) -> Any:
 
 
 def metrics(
-  added: MultiStepsState, new: MultiStepsState, loss: Any, norm: Any, lr: Any
+  added: MultiStepsState,
+  new: MultiStepsState,
+  loss: Any,
+  norm: Any,
+  lr: Any,
+  terms: tuple[str, ...] | None = None,
 ) -> Metrics:
-  """The step's metrics from the window so far (``added``) and the new state."""
+  """The step's metrics from the window so far (``added``) and the new state;
+  with loss ``terms``, each term's mean loss and weight under ``"terms"``."""
+  window = ms.window_of(added)
   out: Metrics = {
     "loss": loss,
-    "weight": added.acc_weight,
+    "weight": _terms.weight(window),
     "micro_steps": added.mini_step,
     "updated": new.updated,
     "update_count": new.gradient_step,
@@ -85,6 +92,8 @@ def metrics(
   }
   if lr is not None:
     out["learning_rate"] = lr
+  if terms is not None:
+    out["terms"] = _terms.term_metrics(window, terms)
   return out
 
 
@@ -127,10 +136,52 @@ class Programs:
     def loss(p: Any) -> tuple[jax.Array, tuple[Any, Any]]:
       return self._loss_parts(self.loss_fn(p, *args))
 
+    if self.config.terms is not None:
+      return self._term_grads(params, args)
     (value, (weight, aux)), grads = jax.value_and_grad(loss, has_aux=True)(params)
     return grads, value, weight, aux
 
+  def _term_grads(self, params: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Each loss term's gradient, value and weight (tuples in the terms'
+    order): one forward pass, one backward pass per term."""
+    names = self.config.terms
+    assert names is not None
+
+    def values(p: Any) -> tuple[Any, Any]:
+      terms, aux = self._term_parts(self.loss_fn(p, *args))
+      return tuple(terms[n][0] for n in names), (tuple(terms[n][1] for n in names), aux)
+
+    vals, pullback, (weights, aux) = jax.vjp(values, params, has_aux=True)
+    grads = tuple(pullback(_one_hot(vals, i))[0] for i in range(len(names)))
+    return grads, vals, weights, aux
+
+  def _term_parts(self, out: Any) -> tuple[dict[str, Any], Any]:
+    """The dict of terms ``{name: (value, weight)}`` and the aux, checked."""
+    names = self.config.terms
+    terms, aux = out if self.has_aux and isinstance(out, tuple) else (out, None)
+    if not isinstance(terms, dict) or set(terms) != set(names or ()):
+      got = sorted(terms) if isinstance(terms, dict) else type(terms).__name__
+      want = "({name: (value, weight)}, aux)" if self.has_aux else "a dict"
+      raise ValueError(
+        f"`loss_fn` must return {want} with one (value, weight) pair per loss "
+        f"term {list(names or ())} (MultiSteps(terms=...)), got {got}."
+      )
+    for name, pair in terms.items():
+      if not (isinstance(pair, tuple) and len(pair) == 2):
+        raise ValueError(
+          f"`loss_fn`'s term {name!r} must be a (value, weight) pair, got "
+          f"{type(pair).__name__}."
+        )
+    return terms, aux
+
   def _loss_parts(self, out: Any) -> tuple[Any, tuple[Any, Any]]:
+    if isinstance(out, dict):
+      raise ValueError(
+        self._contract(
+          f"got a dict of loss terms {sorted(out)}: declare them with "
+          "MultiSteps(..., terms=(...)) to keep each term's own weight"
+        )
+      )
     if not (isinstance(out, tuple) and len(out) == 2):
       raise ValueError(self._contract(f"got {type(out).__name__}"))
     value, rest = out
@@ -256,18 +307,19 @@ class Programs:
 
     Returns params, the inner state, the counters and the metrics.
     """
-    grads_like = params if grads_like is None else grads_like
+    if grads_like is None or self.config.terms is not None:
+      grads_like = params
     window, divides = ms.window_of(added), self.config.divides
-    squares = _window.squares(window, grads_like, divides)
-    positive = ends & (added.acc_weight > 0)
-    flag = _window.nonfinite(window, squares)
+    squares = _terms.squares(window, grads_like, divides)
+    positive = ends & _terms.has_weight(window)
+    flag = _terms.nonfinite(window, squares)
     nonfinite = positive & self.reduction.any(flag, added.acc_weight)
     applies = positive & ~nonfinite
     loss = self.optimizer.window_loss(added)
 
     def update(carry: Any) -> Any:
       params, inner, _ = carry
-      grads = _window.gradient(window, grads_like, divides)
+      grads = _terms.gradient(window, grads_like, divides)
       with_inner = added._replace(inner_opt_state=inner)
       new, inner = ms.run_inner(
         self.optimizer.inner_opt, grads, with_inner, params, {}, {"value": loss}
@@ -279,10 +331,18 @@ class Programs:
     new = ms.closed(
       added, ends, nonfinite, applies, inner, divided_loss=loss, keep_sum=True
     )
-    out = metrics(added, new, loss, norm.astype(jnp.float32), learning_rate(new))
+    norm = norm.astype(jnp.float32)
+    out = metrics(added, new, loss, norm, learning_rate(new), self.config.terms)
     if self.has_aux:
       out["aux"] = aux
     return params, inner, counters(new), out
+
+
+def _one_hot(values: tuple[Any, ...], i: int) -> tuple[Any, ...]:
+  """Cotangents that pull back the ``i``-th value alone."""
+  return tuple(
+    jnp.ones_like(v) if j == i else jnp.zeros_like(v) for j, v in enumerate(values)
+  )
 
 
 def _own_zeros(reduction: Any) -> Callable[[jax.Array], jax.Array]:

@@ -110,6 +110,7 @@ class MultiStepsConfig:
   grad_reduction: GradReduction = "mean"
   axis_name: AxisName | None = None
   on_nonfinite: NonFinitePolicy = "skip_window"
+  terms: tuple[str, ...] | None = None
 
   def __post_init__(self) -> None:
     k = self.every_k_schedule
@@ -136,6 +137,8 @@ class MultiStepsConfig:
         "(by the kept share of the window's items). Use grad_reduction='mean' "
         "or 'sum' with weight=n_items to drop single micro-batches."
       )
+    if self.terms is not None:
+      object.__setattr__(self, "terms", self._checked_terms())
     if not isinstance(self.use_grad_mean, bool | np.bool_):
       raise ValueError(f"`use_grad_mean` must be a bool, got {self.use_grad_mean!r}.")
     dtype = self.accumulator_dtype
@@ -145,6 +148,22 @@ class MultiStepsConfig:
       )
     if dtype is not None:  # Frozen: set once, here.
       object.__setattr__(self, "accumulator_dtype", jnp.dtype(dtype))
+
+  def _checked_terms(self) -> tuple[str, ...]:
+    terms = self.terms
+    names = (terms,) if isinstance(terms, str) else tuple(terms or ())
+    if not names or not all(isinstance(n, str) for n in names):
+      raise ValueError(f"`terms` must be a tuple of names (str), got {terms!r}.")
+    if len(set(names)) != len(names):
+      raise ValueError(f"`terms` must not repeat a name, got {names!r}.")
+    if self.grad_reduction != "mean" or not self.use_grad_mean:
+      raise ValueError(
+        "`terms` divides each term by its own weight: it needs the default "
+        "grad_reduction='mean' and use_grad_mean=True, got "
+        f"grad_reduction={self.grad_reduction!r}, use_grad_mean="
+        f"{self.use_grad_mean!r}."
+      )
+    return names
 
   def k_at(self, update_count: ArrayLike) -> jax.Array:
     """Micro-batches per window after ``update_count`` updates (int32, >= 1)."""

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike
 
-from optax_accum import _checks, _reduction, _window
+from optax_accum import _checks, _reduction, _terms
 from optax_accum._multi_steps import EveryKSchedule, MultiSteps, MultiStepsState
 from optax_accum._programs import (
   Metrics,
@@ -247,7 +247,8 @@ class TrainStep:
     check_single_accumulation(inner)
     shapes = jax.eval_shape(self.optimizer.init, params)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), counters(shapes))
-    window = _window.empty(params, self.optimizer.config.accumulator_dtype)
+    config = self.optimizer.config
+    window = _terms.empty(params, config.accumulator_dtype, len(config.terms or ()))
     return zeros._replace(**window._asdict(), inner_opt_state=inner)
 
   def _recalled(
@@ -326,14 +327,19 @@ class TrainStep:
     ``shard_map``), the accumulator holds per-replica partial sums; anywhere
     else one sum. Called for a state the step did not return last.
     """
-    acc = opt_state.acc_grads
-    axis_name = self.optimizer.config.axis_name
-    if axis_name is None or _is_traced(params, opt_state, batch):
-      if has_partial_sums(acc, params):
-        opt_state = opt_state._replace(acc_grads=summed(acc, params))
+    config = self.optimizer.config
+    # One accumulator like params, or one per loss term.
+    accs = opt_state.acc_grads if config.terms else (opt_state.acc_grads,)
+
+    def rebuilt(accs: Any) -> MultiStepsState:
+      return opt_state._replace(acc_grads=tuple(accs) if config.terms else accs[0])
+
+    if config.axis_name is None or _is_traced(params, opt_state, batch):
+      if any(has_partial_sums(acc, params) for acc in accs):
+        opt_state = rebuilt([summed(acc, params) for acc in accs])
       return opt_state, None
-    layout = data_layout(axis_name, params, batch, scan=self.mode == "scan")
-    return opt_state._replace(acc_grads=per_replica(acc, params, layout)), layout
+    layout = data_layout(config.axis_name, params, batch, scan=self.mode == "scan")
+    return rebuilt([per_replica(acc, params, layout) for acc in accs]), layout
 
   def _programs(self, layout: DataLayout | None) -> tuple[Any, Any]:
     """The accumulate and update programs for one accumulator layout."""
@@ -388,7 +394,9 @@ class TrainStep:
     )
     state = joined(counters_, opt_state.inner_opt_state, acc)
     # The counters are never donated: the metrics can share them.
-    out = metrics(state, state, loss, grad_norm, learning_rate)
+    out = metrics(
+      state, state, loss, grad_norm, learning_rate, self._bodies.config.terms
+    )
     if self.has_aux:
       out["aux"] = aux
     return params, state, out

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from optax_accum import _checks, _reduction, _window
+from optax_accum import _checks, _reduction, _terms, _window
 from optax_accum._state import (
   WINDOW_MICRO_STEPS,
   WINDOW_WEIGHT,
@@ -61,12 +61,17 @@ def add_micro_batch(
   grads: Any,
   params: Any = None,
   *,
-  weight: ArrayLike | None,
-  loss: ArrayLike | None,
+  weight: Any,
+  loss: Any,
   reduction: Any,
 ) -> tuple[MultiStepsState, jax.Array]:
   """``state`` with a micro-batch added (never ending the window), and whether
-  it counts towards ``k``."""
+  it counts towards ``k``. With ``config.terms``, ``grads``, ``weight`` and
+  ``loss`` are dicts by term name (or tuples in the terms' order)."""
+  if config.terms is not None:
+    grads = by_term(config.terms, grads, "updates")
+    weight = by_term(config.terms, weight, "weight")
+    loss = None if loss is None else by_term(config.terms, loss, "loss")
   _checks.check_tree_matches(
     grads,
     state.acc_grads,
@@ -83,7 +88,7 @@ def add_micro_batch(
   counted, skip_state = _screened(config, state, grads, params, reduction)
   window = window_of(state)
   drop = config.on_nonfinite == "skip_micro_batch"
-  kept = _window.admit(
+  kept = _terms.admit(
     window,
     grads,
     loss,
@@ -93,19 +98,33 @@ def add_micro_batch(
     drop_nonfinite=drop,
   )
   weigh = config.grad_reduction == "mean"
-  window = _window.add(window, grads, loss, kept, reduction=reduction, weigh=weigh)
+  window = _terms.add(window, grads, loss, kept, reduction=reduction, weigh=weigh)
   if config.grad_reduction == "window_mean":  # Shares of the whole window's mean.
-    window = _window.spoil(window, kept.dropped)
+    window = _window.spoil(window, _terms.dropped(kept))
   added = state._replace(
     **window._asdict(),
     updated=jnp.zeros_like(state.updated),
-    skipped_micro_batches=_count_if(kept.dropped, state.skipped_micro_batches),
+    skipped_micro_batches=_count_if(_terms.dropped(kept), state.skipped_micro_batches),
     skip_state=skip_state,
     micro_batches_seen=optax.safe_increment(
       jnp.asarray(state.micro_batches_seen, jnp.int32)
     ),
   )
   return added, counted
+
+
+def by_term(names: tuple[str, ...], values: Any, what: str) -> tuple[Any, ...]:
+  """``values`` (a dict by term name, or a tuple in ``names``' order) as a
+  tuple in ``names``' order; a ``ValueError`` naming what is missing."""
+  if isinstance(values, tuple) and len(values) == len(names):
+    return values
+  if not isinstance(values, dict) or set(values) != set(names):
+    got = sorted(values) if isinstance(values, dict) else type(values).__name__
+    raise ValueError(
+      f"`{what}` must be a dict with one entry per loss term {list(names)} "
+      f"(MultiSteps(terms=...)), got {got}."
+    )
+  return tuple(values[name] for name in names)
 
 
 def window_ends(
@@ -139,7 +158,7 @@ def run_inner(
   """
   inner_state = added.inner_opt_state
   optional = {
-    WINDOW_WEIGHT: added.acc_weight,
+    WINDOW_WEIGHT: _terms.weight(window_of(added)),
     WINDOW_MICRO_STEPS: added.mini_step,
     **optional_args,
   }
@@ -167,7 +186,7 @@ def closed(
 ) -> MultiStepsState:
   """The state after the window's end (where ``ends``), with the new inner
   state; ``divided_loss`` is the window's loss (:meth:`MultiSteps.window_loss`)."""
-  window = _window.reset(window_of(added), ends, keep_sum=keep_sum)
+  window = _terms.reset(window_of(added), ends, keep_sum=keep_sum)
   return added._replace(
     **window._asdict(),
     gradient_step=_count_if(applies, added.gradient_step),
@@ -175,7 +194,9 @@ def closed(
     updated=applies,
     skipped_windows=_count_if(nonfinite, added.skipped_windows),
     last_window_loss=_kept_unless(ends, divided_loss, added.last_window_loss),
-    last_window_weight=_kept_unless(ends, added.acc_weight, added.last_window_weight),
+    last_window_weight=_kept_unless(
+      ends, _terms.weight(window_of(added)), added.last_window_weight
+    ),
   )
 
 

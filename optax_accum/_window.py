@@ -50,8 +50,8 @@ class Window(NamedTuple):
 
   mini_step: jax.Array
   acc_grads: Any
-  acc_weight: jax.Array
-  acc_loss: jax.Array
+  acc_weight: Any  # A scalar here; a tuple of them in a window of terms.
+  acc_loss: Any
 
 
 class Admission(NamedTuple):

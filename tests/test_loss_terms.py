@@ -1,0 +1,233 @@
+"""Loss terms that each keep their own weight over the window (issue 28).
+
+Three terms with different counts: a token-mean cross-entropy (weight: tokens),
+a per-sequence penalty (weight: sequences with a token), and a per-micro-batch
+regulariser (weight: 1). The oracle is the whole window's objective, each term
+normalised by its own count over the whole window, computed from the whole
+batch where the term is a mean over its rows.
+"""
+
+import itertools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import toy_lm
+
+import optax_accum
+
+TERMS = ("ce", "penalty", "aux")
+WINDOWS = 3
+
+
+def _term_values(params, batch):
+  """Each term's per-item values and counts over ``batch``'s rows."""
+  losses, mask = toy_lm.token_losses(params, batch)
+  hidden = jnp.tanh(params["embed"][batch["inputs"]])
+  per_sequence = (hidden**2).mean(axis=(1, 2))  # Any param-dependent penalty.
+  has_tokens = (mask.sum(axis=1) > 0).astype(jnp.float32)
+  return losses, mask, per_sequence * has_tokens, has_tokens
+
+
+def term_loss(params, batch):
+  """``{name: (mean over its own items, their count)}`` for one micro-batch."""
+  losses, mask, penalty, sequences = _term_values(params, batch)
+  tokens = mask.sum()
+  aux = 0.1 * jnp.sum(params["head"]["w"] ** 2) * (1 + tokens / 100)
+  return {
+    "ce": (losses.sum() / jnp.maximum(tokens, 1), tokens),
+    "penalty": (penalty.sum() / jnp.maximum(sequences.sum(), 1), sequences.sum()),
+    "aux": (aux, jnp.float32(1)),
+  }
+
+
+def window_objective(params, micro_batches, replicas=1):
+  """The window's objective: ce and penalty over the whole batch at once, aux
+  the mean over the calls of ``loss_fn`` (each replica's rows of each
+  micro-batch, under ``axis_name``) of its value there."""
+  whole = {
+    n: jnp.concatenate([mb[n] for mb in micro_batches]) for n in micro_batches[0]
+  }
+  losses, mask, penalty, sequences = _term_values(params, whole)
+  pieces = [
+    jax.tree.map(
+      lambda x, r=r: x[r * len(x) // replicas : (r + 1) * len(x) // replicas], mb
+    )
+    for mb in micro_batches
+    for r in range(replicas)
+  ]
+  auxes = [term_loss(params, piece)["aux"][0] for piece in pieces]
+  return (
+    losses.sum() / mask.sum()
+    + penalty.sum() / sequences.sum()
+    + sum(auxes) / len(auxes)
+  )
+
+
+def _windows(sizes, seed=0):
+  """Micro-batches of ``sizes`` rows each, window by window; one micro-batch of
+  each window holds only padding (no tokens, no sequences)."""
+  windows = []
+  for w in range(WINDOWS):
+    batch = toy_lm.make_batch(seed=seed + w, batch=sum(sizes))
+    starts = np.cumsum([0, *sizes])
+    bounds = itertools.pairwise(starts)
+    window = [{n: v[a:b] for n, v in batch.items()} for a, b in bounds]
+    window[1]["mask"] = np.zeros_like(window[1]["mask"])
+    windows.append(window)
+  return windows
+
+
+def _whole_batch_run(windows, tx, replicas=1):
+  params, state = toy_lm.init_params(seed=0), tx.init(toy_lm.init_params(seed=0))
+  step = jax.jit(
+    lambda p, s, w: _apply(tx, p, s, jax.grad(window_objective)(p, w, replicas)),
+  )
+  for window in windows:
+    params, state = step(params, state, window)
+  return params
+
+
+def _apply(tx, params, state, grads):
+  updates, state = tx.update(grads, state, params)
+  return optax.apply_updates(params, updates), state
+
+
+def _adamw():
+  return optax.adamw(3e-2, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+def test_each_term_keeps_its_own_weight_over_the_window(mode):
+  sizes = [5, 5, 5, 5] if mode == "scan" else [1, 4, 9, 2]
+  windows = _windows(sizes)
+  opt = optax_accum.MultiSteps(_adamw(), len(sizes), terms=TERMS)
+  step = optax_accum.make_train_step(term_loss, opt, mode=mode)
+  params = toy_lm.init_params(seed=0)
+  state = step.init(params)
+  for window in windows:
+    if mode == "scan":
+      stacked = jax.tree.map(lambda *x: np.stack(x), *window)
+      params, state, metrics = step(params, state, stacked)
+    else:
+      for micro_batch in window:
+        params, state, metrics = step(params, state, micro_batch)
+    assert bool(metrics["updated"])
+  whole = _whole_batch_run(windows, _adamw())
+  assert toy_lm.max_rel_diff(toy_lm.init_params(seed=0), whole) > 1e-2
+  assert toy_lm.max_rel_diff(params, whole) <= 1e-5
+  # Each term's window mean and weight; the loss is their sum.
+  last = windows[-1]
+  want = term_loss(params, last[0])  # Shapes only; values below.
+  assert set(metrics["terms"]) == set(want)
+  tokens = sum(mb["mask"].sum() for mb in last)
+  np.testing.assert_allclose(metrics["terms"]["ce"]["weight"], tokens)
+  np.testing.assert_allclose(metrics["terms"]["aux"]["weight"], len(sizes))
+  np.testing.assert_allclose(metrics["weight"], tokens)  # The first term's.
+  total = sum(float(t["loss"]) for t in metrics["terms"].values())
+  np.testing.assert_allclose(float(metrics["loss"]), total, rtol=1e-6)
+
+
+def test_one_weight_for_all_terms_is_what_goes_wrong():
+  """The test can fail: the same terms under one shared weight (tokens) give a
+  different update."""
+  sizes = [1, 4, 9, 2]
+  windows = _windows(sizes)
+
+  def shared(params, batch):
+    terms = term_loss(params, batch)
+    return sum(v for v, _ in terms.values()), terms["ce"][1]
+
+  opt = optax_accum.MultiSteps(_adamw(), len(sizes))
+  step = optax_accum.make_train_step(shared, opt)
+  params = toy_lm.init_params(seed=0)
+  state = step.init(params)
+  for window in windows:
+    for micro_batch in window:
+      params, state, _ = step(params, state, micro_batch)
+  assert toy_lm.max_rel_diff(params, _whole_batch_run(windows, _adamw())) > 1e-3
+
+
+def test_the_optax_spelling_takes_dicts_by_term():
+  """`MultiSteps.update` with each term's gradient, weight and loss."""
+  sizes = [1, 4, 9, 2]
+  windows = _windows(sizes)
+  opt = optax_accum.MultiSteps(_adamw(), len(sizes), terms=TERMS)
+  params = toy_lm.init_params(seed=0)
+  state = opt.init(params)
+
+  @jax.jit
+  def micro_step(params, state, batch):
+    terms = {}
+    for name in TERMS:
+      value, grads = jax.value_and_grad(lambda p, n=name: term_loss(p, batch)[n][0])(
+        params
+      )
+      terms[name] = (grads, term_loss(params, batch)[name][1], value)
+    grads, weight, loss = ({n: t[i] for n, t in terms.items()} for i in range(3))
+    updates, state = opt.update(grads, state, params, weight=weight, loss=loss)
+    return optax.apply_updates(params, updates), state
+
+  for window in windows:
+    for micro_batch in window:
+      params, state = micro_step(params, state, micro_batch)
+  assert int(state.gradient_step) == WINDOWS
+  assert toy_lm.max_rel_diff(params, _whole_batch_run(windows, _adamw())) <= 1e-5
+
+
+def test_terms_errors():
+  with pytest.raises(ValueError, match=r"`terms` must not repeat a name"):
+    optax_accum.MultiSteps(_adamw(), 2, terms=("a", "a"))
+  with pytest.raises(ValueError, match=r"grad_reduction='mean'"):
+    optax_accum.MultiSteps(_adamw(), 2, grad_reduction="sum", terms=("a",))
+  opt = optax_accum.MultiSteps(_adamw(), 2, terms=("ce", "kl"))
+  params = toy_lm.init_params(seed=0)
+  batch = toy_lm.make_batch(seed=0, batch=4)
+  step = optax_accum.make_train_step(term_loss, opt)
+  with pytest.raises(ValueError, match=r"one \(value, weight\) pair per loss term"):
+    step(params, step.init(params), batch)
+  plain = optax_accum.make_train_step(term_loss, optax_accum.MultiSteps(_adamw(), 2))
+  with pytest.raises(ValueError, match=r"declare them with MultiSteps"):
+    plain(params, plain.init(params), batch)
+  state = opt.init(params)
+  grads = jax.tree.map(jnp.zeros_like, params)
+  with pytest.raises(ValueError, match=r"`weight` must be a dict with one entry"):
+    opt.update({"ce": grads, "kl": grads}, state, params, weight=3.0)
+  chex.assert_trees_all_equal_structs(state.acc_grads, (params, params))
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+@pytest.mark.parametrize("axis_name", [None, "data"])
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+def test_terms_under_data_parallelism(mode, axis_name):
+  """A batch split over 8 devices, with and without `axis_name`: each term's
+  weight is summed over the replicas too. With `axis_name` the per-call term
+  counts one per replica and micro-batch (each replica's `loss_fn` sees its
+  own rows); the token and sequence terms are the same either way."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  sizes = [16, 16, 16, 16] if mode == "scan" else [8, 16, 8, 24]
+  windows = _windows(sizes, seed=7)
+  opt = optax_accum.MultiSteps(_adamw(), len(sizes), terms=TERMS, axis_name=axis_name)
+  step = optax_accum.make_train_step(term_loss, opt, mode=mode)
+  params = toy_lm.init_params(seed=0)
+  state = step.init(params)
+  for window in windows:
+    if mode == "scan":
+      stacked = jax.tree.map(lambda *x: np.stack(x), *window)
+      placed = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(None, "data")
+      )
+      params, state, metrics = step(params, state, jax.device_put(stacked, placed))
+    else:
+      for micro_batch in window:
+        params, state, metrics = step(params, state, jax.device_put(micro_batch, rows))
+  assert int(metrics["update_count"]) == WINDOWS
+  whole = _whole_batch_run(windows, _adamw(), replicas=8 if axis_name else 1)
+  assert toy_lm.max_rel_diff(params, whole) <= 1e-5
+  np.testing.assert_allclose(
+    metrics["terms"]["aux"]["weight"], 4 * (8 if axis_name else 1)
+  )
