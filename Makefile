@@ -36,6 +36,7 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks.accumulation $(ARGS)
 	$(PY) -m benchmarks.data_parallel
+	$(PY) -m benchmarks.loss_terms
 
 ## notebooks: re-execute the notebooks in place, so their committed outputs are current.
 notebooks: $(STAMP)
