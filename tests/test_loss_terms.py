@@ -231,3 +231,91 @@ def test_terms_under_data_parallelism(mode, axis_name):
   np.testing.assert_allclose(
     metrics["terms"]["aux"]["weight"], 4 * (8 if axis_name else 1)
   )
+
+
+def _reference_window(micro_batches, n_terms):
+  """The documented semantics in float64 NumPy: the window's gradient and its
+  objective, or ``None`` for a window that applies no update."""
+  acc = np.zeros((n_terms, 3))
+  weights, losses = np.zeros(n_terms), np.zeros(n_terms)
+  for g, w, v in micro_batches:
+    if not np.all(np.isfinite(w) & (w >= 0)):
+      continue  # A bad weight in any term drops the micro-batch.
+    adds = w > 0
+    acc[adds] += w[adds, None] * g[adds]
+    weights[adds] += w[adds]
+    losses[adds] += w[adds] * v[adds]
+  some = weights > 0
+  if not some.any():
+    return None
+  grad = (acc[some] / weights[some, None]).sum(0)
+  return grad, float((losses[some] / weights[some]).sum())
+
+
+def _draw_micro_batch(rng, n_terms):
+  g = rng.normal(size=(n_terms, 3)) * 10.0 ** rng.integers(-3, 4, (n_terms, 1))
+  w = rng.choice([0.0, 1.0, 3.0, 17.0, 250.0], size=n_terms)
+  if rng.random() < 0.1:
+    w[rng.integers(n_terms)] = rng.choice([np.nan, -2.0])
+  return g, w, rng.normal(size=n_terms)
+
+
+def _linear_terms(n_terms):
+  """A loss whose term ``i`` has value ``v[i]`` and gradient ``g[i]``."""
+
+  def loss_fn(params, batch):
+    out = {}
+    for i in range(n_terms):
+      dot = jnp.sum(params["p"] * batch["g"][i])
+      zero = dot - jax.lax.stop_gradient(dot)  # Exactly 0, with gradient g[i].
+      out[f"t{i}"] = (batch["v"][i] + zero, batch["w"][i])
+    return out
+
+  return loss_fn
+
+
+@pytest.mark.parametrize("seed", range(9))
+def test_terms_match_a_float64_reference(seed):
+  """Random terms, weights (zeros, a NaN or negative now and then), gradient
+  scales and window lengths, through each path in float64: the update and the
+  objective agree with the reference to near machine precision."""
+  rng = np.random.default_rng(seed)
+  n_terms, k = int(rng.integers(1, 4)), int(rng.integers(1, 5))
+  path = ["update", "stream", "scan"][seed % 3]
+  names = tuple(f"t{i}" for i in range(n_terms))
+  with jax.enable_x64(True):
+    opt = optax_accum.MultiSteps(optax.sgd(1.0), k, terms=names)
+    mode = "stream" if path == "update" else path
+    step = optax_accum.make_train_step(_linear_terms(n_terms), opt, mode=mode)
+    params = {"p": jnp.zeros(3, jnp.float64)}
+    state = opt.init(params)
+    for _ in range(3):
+      window = [_draw_micro_batch(rng, n_terms) for _ in range(k)]
+      batches = [{"g": g, "w": w, "v": v} for g, w, v in window]
+      before = np.asarray(params["p"])  # The step donates params.
+      if path == "scan":
+        stacked = jax.tree.map(lambda *x: np.stack(x), *batches)
+        params, state, metrics = step(params, state, stacked)
+      elif path == "stream":
+        for b in batches:
+          params, state, metrics = step(params, state, b)
+      else:
+        for g, w, v in window:
+          by_name = [dict(zip(names, x, strict=True)) for x in (list(g), w, v)]
+          grads = {n: {"p": jnp.asarray(x)} for n, x in by_name[0].items()}
+          updates, state = opt.update(
+            grads, state, params, weight=by_name[1], loss=by_name[2]
+          )
+          params = optax.apply_updates(params, updates)
+        metrics = {"updated": state.updated, "loss": state.last_window_loss}
+      expected = _reference_window(window, n_terms)
+      assert bool(metrics["updated"]) == (expected is not None)
+      if expected is not None:
+        grad, objective = expected
+        scale = np.abs(window[0][0]).max() + np.abs(grad).max()
+        np.testing.assert_allclose(
+          before - params["p"], grad, rtol=0, atol=1e-13 * scale
+        )
+        np.testing.assert_allclose(
+          float(metrics["loss"]), objective, rtol=1e-12, atol=1e-12
+        )
