@@ -133,11 +133,12 @@ class Programs:
     if axes:
       params = self._per_replica(params)
 
+    if self.config.terms is not None:
+      return self._term_grads(params, args)
+
     def loss(p: Any) -> tuple[jax.Array, tuple[Any, Any]]:
       return self._loss_parts(self.loss_fn(p, *args))
 
-    if self.config.terms is not None:
-      return self._term_grads(params, args)
     (value, (weight, aux)), grads = jax.value_and_grad(loss, has_aux=True)(params)
     return grads, value, weight, aux
 

@@ -99,13 +99,10 @@ def admit(
       drop_nonfinite=drop_nonfinite,
     )
   losses = (None,) * len(grads) if loss is None else loss
+  policy = dict(reduction=reduction, counted=counted, drop_nonfinite=drop_nonfinite)
   each = [
-    _window.admit(
-      part, g, value, w, reduction=reduction, counted=counted, drop_nonfinite=drop
-    )
-    for part, g, value, w, drop in zip(
-      parts(window), grads, losses, weight, [drop_nonfinite] * len(grads), strict=True
-    )
+    _window.admit(part, g, value, w, **policy)
+    for part, g, value, w in zip(parts(window), grads, losses, weight, strict=True)
   ]
   dropped = jnp.any(jnp.stack([a.dropped for a in each]))
   return tuple(
@@ -194,6 +191,8 @@ def reset(window: Window, ends: ArrayLike, keep_sum: bool = False) -> Window:
 
 def has_weight(window: Window) -> jax.Array:
   """Whether any term has positive weight: the window can apply an update."""
+  if not is_terms(window):
+    return window.acc_weight > 0
   return jnp.any(jnp.stack([p.acc_weight > 0 for p in parts(window)]))
 
 
