@@ -11,6 +11,7 @@ keeps one params-sized sum, as a replicated accumulator would.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -91,38 +92,74 @@ def _stacked(leaf: jax.Array, param: Any) -> bool:
 def per_replica(acc: Any, params: Any, layout: DataLayout) -> Any:
   """``acc`` as per-replica partial sums: a leading axis of replicas.
 
-  A summed accumulator becomes the first replica's partial sum (the others
-  start from zeros), so a window in progress carries on exactly. Partial sums
-  for another number of replicas are summed first.
+  Partial sums for this many replicas are placed as they are (a checkpoint
+  restores them as host arrays). A summed accumulator becomes the first
+  replica's partial sum (the others start from zeros), so a window in
+  progress carries on exactly; partial sums for another number of replicas
+  are summed first. Each partial sum is sharded like its param over the
+  other mesh axes, ``Explicit`` ones included.
   """
   n = layout.replicas
 
-  def convert(a: jax.Array, p: Any) -> jax.Array:
-    sharding = getattr(a, "sharding", None)
+  def convert(a: Any, p: Any) -> jax.Array:
+    rest = _spec_on(layout.mesh, p) or (None,) * jnp.ndim(p)
     if _stacked(a, p):
-      spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
-      if a.shape[0] == n and spec and _axes(spec[0]) == layout.axes:
-        return a
+      if a.shape[0] == n:
+        return _placed(a, NamedSharding(layout.mesh, layout.spec(*rest)))
       a = jnp.sum(a, axis=0, dtype=a.dtype)
-      sharding = None
-    rest: tuple[Any, ...] = ()
-    if isinstance(sharding, NamedSharding) and sharding.mesh == layout.mesh:
-      rest = tuple(sharding.spec)
-    target = NamedSharding(layout.mesh, layout.spec(*rest))
-    return jax.jit(
-      lambda a: jnp.zeros((n, *a.shape), a.dtype).at[0].set(a), out_shardings=target
-    )(a)
+    a = _placed(a, NamedSharding(layout.mesh, P(*rest)))
+    return _first_replica(layout, P(*rest))(a)
 
   return jax.tree.map(convert, acc, params)
 
 
+def _spec_on(mesh: jax.sharding.Mesh, x: Any) -> tuple[Any, ...]:
+  """``x``'s partition spec, one entry per axis, if it is an array with a
+  ``NamedSharding`` on ``mesh``; else ``()``."""
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+    return tuple(sharding.spec) + (None,) * (jnp.ndim(x) - len(sharding.spec))
+  return ()
+
+
+def _placed(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+  """``x`` with ``sharding``: itself when it has it already."""
+  if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+    return x
+  return jax.device_put(x, sharding)
+
+
+@functools.cache
+def _first_replica(layout: DataLayout, spec: P) -> Any:
+  """A program that makes a sum sharded as ``spec`` the first replica's
+  partial sum, and zeros every other replica's.
+
+  A selection, not ``.at[0].set``: on an ``Explicit`` mesh, scattering a sum
+  split over ``model`` into a replicated stack is a sharding type error. Each
+  device computes only its own slice; nothing moves between devices.
+  """
+  n = layout.replicas
+
+  def stacked(a: jax.Array) -> jax.Array:
+    first = (jnp.arange(n) == 0).reshape((n,) + (1,) * a.ndim)
+    return jnp.where(first, a[None], jnp.zeros((), a.dtype))
+
+  return jax.jit(stacked, out_shardings=NamedSharding(layout.mesh, layout.spec(*spec)))
+
+
 def summed(acc: Any, params: Any) -> Any:
-  """``acc`` with per-replica partial sums (see :func:`per_replica`) added up."""
-  return jax.tree.map(
-    lambda a, p: jnp.sum(a, axis=0, dtype=a.dtype) if _stacked(a, p) else a,
-    acc,
-    params,
-  )
+  """``acc`` with per-replica partial sums (see :func:`per_replica`) added up,
+  each sum placed like its param."""
+
+  def one_sum(a: Any, p: Any) -> Any:
+    if not _stacked(a, p):
+      return a
+    total = jnp.sum(a, axis=0, dtype=a.dtype)
+    if isinstance(p, jax.Array) and not isinstance(p, jax.core.Tracer):
+      return _placed(total, p.sharding)
+    return total
+
+  return jax.tree.map(one_sum, acc, params)
 
 
 def has_partial_sums(acc: Any, params: Any) -> bool:
