@@ -12,6 +12,7 @@ import optax
 
 from optax_accum import _checks
 from optax_accum._audit_compare import (
+  GradientFit,
   compare_params,
   fit_gradient,
   leaf_names,
@@ -20,18 +21,18 @@ from optax_accum._audit_compare import (
 from optax_accum._audit_report import AuditReport, Verdict, lr_labels
 from optax_accum._audit_runs import (
   GradFn,
+  LoopRun,
   Reference,
-  SetupRun,
   copy_arrays,
   f32,
   gradient_fn,
-  gradient_probe,
   recombined,
-  setup_run,
+  run_setup,
   whole_batch_run,
 )
 from optax_accum._audit_setups import Accumulation, Setup, check_loss_fn, resolve_setup
 from optax_accum._audit_verdicts import Evidence, verdicts
+from optax_accum._audit_windows import Windows, needs_probe, per_micro_step, windows
 from optax_accum._batching import split_micro_batches
 
 __all__ = ["Accumulation", "AuditReport", "Verdict", "audit"]
@@ -57,34 +58,47 @@ def audit(
   setup: ``accumulation`` if given; the usual loop around ``optimizer`` if it
   is itself an accumulator (``optax.MultiSteps`` or
   :class:`optax_accum.MultiSteps`, whose inner optimizer then runs on the
-  whole batch); otherwise :class:`optax_accum.MultiSteps` in
-  :func:`optax_accum.make_train_step`. The setup runs
+  whole batch) or holds an :class:`optax_accum.MultiSteps`
+  (``optax.chain(MultiSteps(...).gradient_transformation(), ...)``, whose
+  window the whole batch ends on every update); otherwise
+  :class:`optax_accum.MultiSteps` in :func:`optax_accum.make_train_step`.
 
-  - around ``optax.sgd(1.0)`` on float32 copies of the params for one window,
-    which makes the gradient it applies visible;
-  - around ``optimizer`` for ``steps`` updates, then one micro-step more, then
-    built again (as a restarted process would) and fed ``2 k`` more
-    micro-batches from the params and state it had: updates must go on.
+  The setup runs ``steps`` updates, then one micro-step more, then is built
+  again (as a restarted process would) and fed ``2 k`` more micro-batches from
+  the params and state it had: updates ``steps + 1`` and ``steps + 2``,
+  compared with the whole batch too where their windows line up.
 
-  A second whole-batch run sums the micro-batch gradients (token-weighted)
+  The setup also runs around the probe, ``optimizer`` with its updates
+  replaced by the gradient (its state advances as the optimizer's would, so a
+  loop may read ``.hyperparams`` or a count from it), on float32 copies of the
+  params: for the first window, which shows the gradient the setup applies;
+  and for the whole run where the setup's params do not change at exactly the
+  window ends, which shows where it applies updates whatever the learning
+  rate (a schedule that reaches 0 stops the params, not the updates). A
+  second whole-batch run sums the micro-batch gradients (token-weighted)
   instead of taking the batch's own: the two differ by rounding only, which
   sets how close each leaf of the setup's params must end.
 
   Every run gets its own copy of ``params``, so a setup that donates its
-  buffers is fine.
+  buffers is fine. Your ``step`` must apply the updates its optimizer returns;
+  it may read the optimizer state.
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> (loss, weight)``, the token-mean loss
-      and the number of tokens, or ``(loss, (weight, aux))`` with ``has_aux``.
+      and the number of tokens, or ``(loss, (weight, aux))`` with ``has_aux``;
+      with an ``optax_accum.MultiSteps(grad_reduction="sum")`` as
+      ``optimizer``, the loss summed over tokens, as the train step takes it
+      (the whole batch then takes its token mean).
     optimizer: The optimizer the whole batch would use, or your accumulator
       around it (``optax.MultiSteps(opt, k)``). Learning rates injected with
       ``optax.inject_hyperparams`` are compared at every update, in every
       branch; step counts (``count``) are compared whether injected or not.
     params: Initial params (not modified).
     batch: One batch, reused for every update, or a ``list`` of ``steps``
-      batches; leaves have a leading batch axis.
-    k: Micro-batches per update.
-    steps: Updates to run.
+      batches (the updates after the restart reuse the first two); leaves
+      have a leading batch axis.
+    k: Micro-batches per update (an accumulator's own, where it has one).
+    steps: Updates before the restart.
     split: ``split(batch, k) -> micro-batches``; defaults to
       :func:`split_micro_batches`.
     accumulation: ``accumulation(optimizer, k) -> (init, step)``, your setup:
@@ -99,32 +113,35 @@ def audit(
 
   Raises:
     ValueError: For bad arguments, a ``loss_fn`` that does not return ``(loss,
-      weight)``, an accumulator passed with ``accumulation`` or inside another
-      transformation, or a setup that returns params of another structure.
+      weight)``, an accumulator passed with ``accumulation``, an
+      ``optax.MultiSteps`` inside another transformation, or a setup that
+      returns params of another structure.
   """
   k = _checks.whole_number(k, name="k")
   steps = _checks.whole_number(steps, name="steps")
   batches, micro = _micro_batches(batch, k, steps, split)
-  check_loss_fn(loss_fn, has_aux, params, micro[0][0])
-  has_aux = bool(has_aux)
-  setup = resolve_setup(loss_fn, has_aux, optimizer, params, k, accumulation)
-  grad_fn = gradient_fn(loss_fn, has_aux)
+  setup = resolve_setup(loss_fn, bool(has_aux), optimizer, params, k, accumulation)
+  check_loss_fn(setup.loss, params, micro[0][0])
+  grad_fn = gradient_fn(setup.loss)
   first = _first_batch(grad_fn, params, batches[0], micro[0])
-  probe = gradient_probe(setup.accumulation, k, first.params32, micro[0])
-  fit = fit_gradient(
-    probe.applied, first.whole_grad, first.micro_grads, first.tokens, tolerance
-  )
-  reference, resummed, run = _runs(setup, grad_fn, params, batches, micro, k)
+  # Updates steps + 1 and steps + 2 (after the restart) reuse the first batches.
+  reference, resummed = _whole_batch_runs(setup, grad_fn, params, batches, micro)
+  run = _setup_run(setup, k, params, micro, reference)
+  probe, w = _probe_runs(setup, k, steps, first.params32, micro, reference, run)
+  fit = None if probe is None else _fit(probe, first, tolerance)
   lowest = min(jnp.finfo(jnp.result_type(x)).eps for x in jax.tree.leaves(params))
   trajectory_tol = max(tolerance, 32 * float(lowest))
   skip = rounding_level_leaves(first.whole_grad, first.resummed_grad)
+  n = w.compared
   comparison = compare_params(
-    reference.params, resummed.params, run.params, skip, trajectory_tol
+    reference.params[:n], resummed.params[:n], run.params[:n], skip, trajectory_tol
   )
-  evidence = Evidence(fit, probe.changed, comparison, reference, run, steps)
+  chained = setup.probe is None
+  evidence = Evidence(fit, probe, w, comparison, reference, run, steps, chained)
   names = leaf_names(params)
-  rounding_leaves = [names[i] for i in skip]
-  report = _report(setup.name, first, evidence, rounding_leaves, trajectory_tol)
+  report = _report(
+    setup.name, first, evidence, [names[i] for i in skip], trajectory_tol
+  )
   report.verdicts = verdicts(report, evidence)
   return report
 
@@ -193,25 +210,35 @@ def _first_batch(
   )
 
 
-def _runs(
+def _whole_batch_runs(
   setup: Setup,
   grad_fn: GradFn,
   params: Any,
   batches: list[Any],
   micro: list[list[Any]],
-  k: int,
-) -> tuple[Reference, Reference, SetupRun]:
-  """The whole batch, its exact re-summation, and the setup, each on a copy."""
-  reference = whole_batch_run(grad_fn, setup.optimizer, params, batches)
-  resummed = whole_batch_run(grad_fn, setup.optimizer, params, batches, micro=micro)
-  run = setup_run(
+) -> tuple[Reference, Reference]:
+  """The whole batch over ``steps + 2`` updates, and its exact re-summation."""
+  ahead = len(batches) + 2
+  batches = [batches[i % len(batches)] for i in range(ahead)]
+  micro = [micro[i % len(micro)] for i in range(ahead)]
+  optimizer, ends = setup.optimizer, setup.ends_windows
+  reference = whole_batch_run(grad_fn, optimizer, params, batches, ends_windows=ends)
+  resummed = whole_batch_run(grad_fn, optimizer, params, batches, micro, ends)
+  return reference, resummed
+
+
+def _setup_run(
+  setup: Setup, k: int, params: Any, micro: list[list[Any]], reference: Reference
+) -> LoopRun:
+  """The setup around the real optimizer, on a copy of ``params``."""
+  run = run_setup(
     setup.accumulation,
     setup.optimizer,
     k,
     copy_arrays(params),
     micro,
-    reference,
-    resume=True,
+    list(reference.learning_rates),
+    list(reference.counts),
   )
   _checks.check_tree_matches(
     run.params[0],
@@ -219,7 +246,36 @@ def _runs(
     name="params your step returns",
     ref_name="the params given",
   )
-  return reference, resummed, run
+  return run
+
+
+def _probe_runs(
+  setup: Setup,
+  k: int,
+  steps: int,
+  params32: Any,
+  micro: list[list[Any]],
+  reference: Reference,
+  run: LoopRun,
+) -> tuple[LoopRun | None, Windows]:
+  """The probe's first window (``None`` without a probe), and where the setup
+  applies updates: from the probe's whole run where its params leave it open."""
+  if setup.probe is None:
+    return None, windows(k, steps, reference, run, None)
+  acc, probe = setup.accumulation, setup.probe
+  first = run_setup(acc, probe, k, params32, micro[:1], restart=False)
+  whole = None
+  if needs_probe(k, steps, reference, run):  # A learning rate of 0, or a bug.
+    whole = run_setup(acc, probe, k, params32, micro)
+  return first, windows(k, steps, reference, run, whole)
+
+
+def _fit(probe: LoopRun, first: _FirstBatch, tolerance: float) -> GradientFit:
+  """What the gradient the probe applied in the first window is."""
+  applied = jax.tree.map(jnp.subtract, first.params32, f32(probe.params[0]))
+  return fit_gradient(
+    applied, first.whole_grad, first.micro_grads, first.tokens, tolerance
+  )
 
 
 def _report(
@@ -230,34 +286,50 @@ def _report(
   tolerance: float,
 ) -> AuditReport:
   """The report of the measurements, verdicts not yet drawn."""
-  reference, run, fit = evidence.reference, evidence.run, evidence.fit
-  k = len(first.tokens)
+  reference, run, fit, w = (
+    evidence.reference,
+    evidence.run,
+    evidence.fit,
+    evidence.windows,
+  )
   labels = lr_labels(list(reference.learning_rates))
+  expected = per_micro_step(reference.changed, w.k, w.steps)
+  lr = {
+    labels[path]: [v[0] for v in values[: w.compared] if v]
+    for path, values in run.learning_rates.items()
+  }
   return AuditReport(
     setup=name,
-    k=k,
+    k=w.k,
     tokens=first.tokens,
     mean_of_means_bias=_rel(first.uniform_grad, first.whole_grad),
-    grad_error=fit.error,
-    grad_fit=fit.describe,
-    grad_scale=fit.scale,
-    micro_batch_weights=fit.coefficients,
+    grad_error=float("nan") if fit is None else fit.error,
+    grad_fit="not measured: " + _NOT_MEASURED if fit is None else fit.describe,
+    grad_scale=float("nan") if fit is None else fit.scale,
+    micro_batch_weights=None if fit is None else fit.coefficients,
     params_diff=evidence.comparison.diff,
     rounding_diff=evidence.comparison.rounding,
     rounding_leaves=rounding_leaves,
     finite=run.nonfinite_at is None,
     reference_finite=reference.nonfinite_at is None,
-    lr={
-      labels[p]: [v[0] for v in values if v] for p, values in run.learning_rates.items()
+    lr=lr,
+    lr_reference={
+      labels[p]: v[: w.compared] for p, v in reference.learning_rates.items()
     },
-    lr_reference={labels[p]: v for p, v in reference.learning_rates.items()},
     changed=run.changed,
-    expected_changes=[
-      c for update in reference.changed for c in [False] * (k - 1) + [update]
-    ],
+    expected_changes=expected[0],
     resumed=run.resumed,
+    expected_resumed=expected[1],
+    applied=w.applied,
+    expected_applied=w.expected,
+    applied_resumed=w.applied_resumed,
+    expected_applied_resumed=w.expected_resumed,
+    updates_compared=w.compared,
     tolerance=tolerance,
   )
+
+
+_NOT_MEASURED = "the accumulator sits inside your optimizer"
 
 
 def _rel(a: Any, b: Any) -> float:

@@ -16,6 +16,21 @@ FAILURES = {
   "F7": "params frozen while the optimizer state advances",
   "other": "any other difference from the whole batch",
 }
+FIXES = {
+  "F1": "pass each micro-batch's token count: optax_accum.MultiSteps(...).update("
+  "grads, state, params, weight=n_tokens)",
+  "F3": "run the optimizer once per window (optax_accum.MultiSteps calls it only "
+  "on the micro-step that ends one), and count schedules in updates: "
+  "optax_accum.progress_schedule(schedule)",
+  "F3 chained": "put what follows the accumulator inside it, so it runs once per "
+  "update: optax_accum.MultiSteps(optax.chain(opt, optax.scale_by_schedule(s)), "
+  "k), or inject the schedule: optax_accum.progress_schedule(schedule)",
+  "F4": "let the optimizer state decide window ends: optax_accum.make_train_step",
+  "F6": "add every micro-batch into the window's sum, never overwrite it: "
+  "optax_accum.MultiSteps",
+  "F7": "apply every update the optimizer returns, in one step function that "
+  "reads the window's end from the optimizer state: optax_accum.make_train_step",
+}
 
 
 @dataclasses.dataclass
@@ -39,13 +54,14 @@ class AuditReport:
       micro-batch mean gradients against the whole-batch gradient: what F1
       would cost here.
     grad_error: Relative error of the first window's gradient that the setup
-      applies, against the whole batch (measured with ``optax.sgd(1.0)``).
+      applies, against the whole batch (measured by the probe: your optimizer
+      with its updates replaced by the gradient); NaN where not measured.
     grad_fit: What that gradient is (see ``GradientFit.describe``).
     grad_scale: The multiple ``c`` in the fit ``applied = c * candidate``.
     micro_batch_weights: The weight the applied gradient gives each
       micro-batch's gradient (least squares; the whole batch gives each its
       share of the tokens), or ``None`` when it is no combination of them.
-    params_diff: Relative params difference after ``steps`` updates.
+    params_diff: Relative params difference after the last update compared.
     rounding_diff: The same between two exact whole-batch runs that sum in a
       different order: rounding alone.
     rounding_leaves: Leaves whose whole-batch gradient is rounding noise (not
@@ -53,14 +69,24 @@ class AuditReport:
     finite: Whether the accumulated run's params stayed finite.
     reference_finite: Whether the whole-batch run's did.
     lr: Each injected learning rate (by where it sits in the optimizer state)
-      at each window end, accumulated side.
-    lr_reference: The same at each whole-batch update.
-    changed: For each micro-step, whether the params changed.
+      at each window end compared, accumulated side.
+    lr_reference: The same at each whole-batch update compared.
+    changed: For each micro-step before the restart, whether params changed.
     expected_changes: Where they should change: the last micro-step of each
       window whose whole-batch update changed the params.
     resumed: Whether params changed on the micro-step before a simulated
-      restart (the setup built again, one micro-step into a window) and on
-      each of the ``2 k`` after it.
+      restart (the setup built again, one micro-step into update
+      ``steps + 1``) and on each of the ``2 k`` after it.
+    expected_resumed: Where they should, as ``expected_changes``.
+    applied: For each micro-step before the restart, whether the loop applied
+      an update: whether the probe's params changed (the setup's own where
+      there is no probe). Unlike ``changed``, this does not depend on the
+      learning rate.
+    expected_applied: Where windows end with a nonzero whole-batch gradient.
+    applied_resumed: ``applied`` from the micro-step before the restart on.
+    expected_applied_resumed: ``expected_applied`` for the same micro-steps.
+    updates_compared: Updates whose params and learning rates were compared:
+      ``steps + 2`` where the windows after the restart line up, else ``steps``.
     tolerance: Relative error above which a difference counts.
     verdicts: Failure id to :class:`Verdict`.
   """
@@ -83,6 +109,12 @@ class AuditReport:
   changed: list[bool]
   expected_changes: list[bool]
   resumed: list[bool]
+  expected_resumed: list[bool]
+  applied: list[bool]
+  expected_applied: list[bool]
+  applied_resumed: list[bool]
+  expected_applied_resumed: list[bool]
+  updates_compared: int
   tolerance: float
   verdicts: dict[str, Verdict] = dataclasses.field(default_factory=dict)
 
@@ -101,10 +133,37 @@ class AuditReport:
       text += f" (rounding alone: {self.rounding_diff:.1e})"
     return text
 
+  def _restart(self) -> str:
+    """Where the restart was, and whether the updates after it were compared."""
+    steps = len(self.changed) // self.k
+    text = f"one micro-step into update {steps + 1} (|), the setup built again"
+    if self.updates_compared > steps:
+      return text
+    late = self.applied_resumed == [False, *self.expected_applied_resumed[:-1]]
+    why = ": windows end one micro-step late" if late else ""
+    return f"{text}{why}: updates {steps + 1}-{steps + 2} not compared"
+
+  def _marks(self) -> list[str]:
+    def both(fresh: list[bool], resumed: list[bool]) -> str:
+      restart = f"{_report.marks(resumed[:1])}|{_report.marks(resumed[1:])}"
+      return f"{_report.marks(fresh)} {restart}"
+
+    lines = [
+      _report.row("params changed at", both(self.changed, self.resumed)),
+      _report.row(
+        "expected changes at", both(self.expected_changes, self.expected_resumed)
+      ),
+    ]
+    if (self.applied, self.applied_resumed) != (self.changed, self.resumed):
+      lines.append(
+        _report.row("updates applied at", both(self.applied, self.applied_resumed))
+      )
+    return [*lines, _report.row("restart", self._restart())]
+
   def __str__(self) -> str:
     lines = [
-      f"accumulation audit of {self.setup}: k={self.k}, "
-      f"{len(self.changed) // self.k} updates against the whole batch -> "
+      f"accumulation audit of {self.setup}: k={self.k}, updates "
+      f"1-{self.updates_compared} against the whole batch -> "
       f"{'OK' if self.ok else 'PROBLEMS FOUND'}",
       _report.row("tokens per micro-batch", [round(t) for t in self.tokens]),
       _report.row("mean-of-means bias here", f"{self.mean_of_means_bias:.2e}"),
@@ -124,13 +183,7 @@ class AuditReport:
       lines.append(
         _report.row(f"lr{of} (reference)", _report.short(self.lr_reference[where]))
       )
-    lines.append(_report.row("params changed at", _report.marks(self.changed)))
-    lines.append(
-      _report.row("expected changes at", _report.marks(self.expected_changes))
-    )
-    if self.resumed:
-      marks = f"{_report.marks(self.resumed[:1])}|{_report.marks(self.resumed[1:])}"
-      lines.append(_report.row("after a restart mid-window", marks))
+    lines += self._marks()
     for failure, verdict in self.verdicts.items():
       name = FAILURES[failure]
       lines.append(f"  {failure:<5} {name:<48} {verdict.status:<5} {verdict.detail}")
@@ -142,15 +195,15 @@ class AuditReport:
 _WRAPPERS = {"hyperparams", "learning_rate", "inner_state", "inner_states"}
 
 
-def _where(path: Path) -> str:
+def place_in_state(path: Path) -> str:
   """A learning rate's place in the optimizer state, for people: ``head`` for
   a ``multi_transform`` group, ``[1]`` for a ``chain`` member, ``""`` alone."""
   return ".".join(f"[{p}]" if p.isdigit() else p for p in path if p not in _WRAPPERS)
 
 
 def lr_labels(paths: Sequence[Path]) -> dict[Path, str]:
-  """:func:`_where` for each path, or the whole path where two would clash."""
-  short = [_where(path) for path in paths]
+  """:func:`place_in_state` for each path, or the whole path where two would clash."""
+  short = [place_in_state(path) for path in paths]
   return {
     path: label if short.count(label) == 1 else ".".join(path)
     for path, label in zip(paths, short, strict=True)

@@ -12,41 +12,38 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum._audit_setups import strip_aux
-
 Path = tuple[str, ...]
-
-#: The optimizer the gradient probe runs: params move by exactly the gradient.
-PROBE_OPTIMIZER = optax.sgd(1.0)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _compiled_grad(
-  loss_fn: Callable[..., Any], has_aux: bool, params: Any, batch: Any
-) -> tuple[Any, jax.Array]:
-  return jax.grad(strip_aux(loss_fn, has_aux), has_aux=True)(params, batch)
-
-
 GradFn = Callable[[Any, Any], tuple[Any, jax.Array]]
 
 
-def gradient_fn(loss_fn: Callable[..., Any], has_aux: bool) -> GradFn:
-  """``(params, batch) -> (mean-loss gradient, weight)``, compiled.
+@functools.partial(jax.jit, static_argnums=0)
+def _compiled_grad(
+  loss: Callable[..., Any], params: Any, batch: Any
+) -> tuple[Any, jax.Array]:
+  return jax.grad(loss, has_aux=True)(params, batch)
 
-  Compiled once per ``loss_fn`` (every audit of the same loss reuses it) where
-  ``loss_fn`` is hashable, else once per audit.
+
+def gradient_fn(loss: Callable[..., Any]) -> GradFn:
+  """``(params, batch) -> (gradient, weight)`` of ``loss``, compiled.
+
+  Compiled once per ``loss`` (every audit of the same loss reuses it) where
+  ``loss`` is hashable, else once per audit.
   """
   try:
-    hash(loss_fn)
+    hash(loss)
   except TypeError:
-    return jax.jit(jax.grad(strip_aux(loss_fn, has_aux), has_aux=True))
-  return functools.partial(_compiled_grad, loss_fn, has_aux)
+    return jax.jit(jax.grad(loss, has_aux=True))
+  return functools.partial(_compiled_grad, loss)
 
 
 def _update(
-  optimizer: optax.GradientTransformation, grads: Any, state: Any, params: Any
+  optimizer: optax.GradientTransformation,
+  grads: Any,
+  state: Any,
+  params: Any,
+  extra_args: dict[str, Any],
 ) -> tuple[Any, Any]:
-  updates, state = optimizer.update(grads, state, params)
+  updates, state = optimizer.update(grads, state, params, **extra_args)
   return optax.apply_updates(params, updates), state
 
 
@@ -55,8 +52,8 @@ _compiled_update = jax.jit(_update, static_argnums=0)
 
 def update_fn(
   optimizer: optax.GradientTransformation,
-) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
-  """``(grads, state, params) -> (params, state)``: one compiled update.
+) -> Callable[[Any, Any, Any, dict[str, Any]], tuple[Any, Any]]:
+  """``(grads, state, params, extra_args) -> (params, state)``: one compiled update.
 
   Compiled once per optimizer where it is hashable (every audit with it
   reuses the program), else once per audit; either is far quicker than the
@@ -78,6 +75,11 @@ def copy_arrays(tree: Any) -> Any:
   return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
 
 
+def host_copy(tree: Any) -> Any:
+  """``tree`` as NumPy copies: safe from a step that donates its buffers."""
+  return jax.tree.map(lambda x: np.array(x, copy=True), tree)
+
+
 def differs(a: Any, b: Any) -> bool:
   return not all(
     np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
@@ -86,7 +88,7 @@ def differs(a: Any, b: Any) -> bool:
 
 
 def finite(tree: Any) -> bool:
-  return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(f32(tree)))
+  return all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(tree))
 
 
 def _key_name(key: Any) -> str:
@@ -135,11 +137,6 @@ def count_paths(state: Any) -> list[Path]:
   ]
 
 
-def read(state: Any, path: Path) -> float:
-  """The value of the leaf of ``state`` at exactly ``path``."""
-  return next(float(np.asarray(x)) for names, x in named_leaves(state) if names == path)
-
-
 def read_all(state: Any, paths: Sequence[Path]) -> dict[Path, list[float]]:
   """For each of ``paths``, the leaves of ``state`` whose path ends with it.
 
@@ -173,8 +170,10 @@ class Reference:
   Attributes:
     params: Params after each update.
     changed: Whether each update changed the params.
+    moving: Whether each update's gradient is nonzero: whether a loop that
+      applies the gradient itself changes the params there.
     learning_rates: Each injected learning rate after each update.
-    counts: Each step count after the last update.
+    counts: Each step count after each update.
     nonfinite_at: The first update (1-based) after which params are not
       finite, or ``None``.
     low_precision: Injected hyperparameters held below float32, by name, with
@@ -183,6 +182,7 @@ class Reference:
 
   params: list[Any]
   changed: list[bool]
+  moving: list[bool]
   learning_rates: dict[Path, list[float]]
   counts: dict[Path, list[float]]
   nonfinite_at: int | None
@@ -195,34 +195,50 @@ def whole_batch_run(
   params: Any,
   batches: Sequence[Any],
   micro: Sequence[Sequence[Any]] | None = None,
+  ends_windows: bool = False,
 ) -> Reference:
   """``optimizer`` once per batch; with ``micro``, on the token-weighted sum of
   the micro-batch gradients instead of the batch's own gradient (the same
   maths, summed in another order: how far apart the two end is rounding).
+
+  With ``ends_windows`` each update passes ``end_window=True`` and the batch's
+  weight, for an :class:`optax_accum.MultiSteps` inside ``optimizer``.
   """
   state = optimizer.init(params)
   update = update_fn(optimizer)
-  lr_paths = learning_rate_paths(state)
-  out = Reference([], [], {path: [] for path in lr_paths}, {}, None, {})
+  lr_paths, counted = learning_rate_paths(state), count_paths(state)
+  out = Reference([], [], [], {path: [] for path in lr_paths}, {}, None, {})
+  out.counts = {path: [] for path in counted}
   for name, value in _hyperparams(state).items():
     if jnp.finfo(jnp.result_type(value)).bits < 32:
       out.low_precision[name] = float(np.asarray(value, np.float32))
   for i, batch in enumerate(batches):
-    if micro is None:
-      grads, _ = grad_fn(params, batch)
-    else:
-      pairs = [grad_fn(params, m) for m in micro[i]]
-      grads = recombined([g for g, _ in pairs], [float(w) for _, w in pairs], params)
-    new_params, state = update(grads, state, params)
+    grads, weight = _batch_gradient(grad_fn, params, batch, micro and micro[i])
+    extra = {"end_window": True, "weight": weight} if ends_windows else {}
+    new_params, state = update(grads, state, params, jax.tree.map(jnp.asarray, extra))
     out.changed.append(differs(new_params, params))
+    out.moving.append(any(np.any(np.asarray(g)) for g in jax.tree.leaves(grads)))
     params = new_params
     out.params.append(params)
-    for path in lr_paths:
-      out.learning_rates[path].append(read(state, path))
+    values = dict(named_leaves(state))
+    for path, series in [*out.learning_rates.items(), *out.counts.items()]:
+      series.append(float(np.asarray(values[path])))
     if out.nonfinite_at is None and not finite(params):
       out.nonfinite_at = i + 1
-  out.counts = {path: [read(state, path)] for path in count_paths(state)}
   return out
+
+
+def _batch_gradient(
+  grad_fn: GradFn, params: Any, batch: Any, micro: Sequence[Any] | None
+) -> tuple[Any, float]:
+  """The batch's gradient and weight; with ``micro``, the token-weighted sum of
+  its micro-batches' gradients instead."""
+  if not micro:
+    grads, weight = grad_fn(params, batch)
+    return grads, float(weight)
+  pairs = [grad_fn(params, m) for m in micro]
+  weights = [float(w) for _, w in pairs]
+  return recombined([g for g, _ in pairs], weights, params), sum(weights)
 
 
 def _hyperparams(state: Any) -> dict[str, Any]:
@@ -236,101 +252,81 @@ def _hyperparams(state: Any) -> dict[str, Any]:
 
 
 @dataclasses.dataclass
-class SetupRun:
-  """The setup around the real optimizer, then a resume one micro-step in.
+class LoopRun:
+  """The setup over the audit's micro-steps: ``steps`` windows, then one
+  micro-step, a restart, and ``2 k`` micro-steps more (two windows).
 
   Attributes:
-    params: Params at each window end.
-    changed: For each micro-step, whether params changed.
-    learning_rates: The reference's learning-rate paths, read at each window
-      end (each path may match several leaves, or none).
-    counts: The reference's count paths, read after the last window.
-    nonfinite_at: First micro-step (1-based) after which params are not
-      finite, or ``None``.
-    resumed: Whether params changed on the micro-step before the resume and on
-      each one after it.
+    params: Params at each window end: ``steps`` before the restart, then two
+      (after micro-steps ``k`` and ``2 k`` from the one before the restart).
+    changed: For each micro-step before the restart, whether params changed.
+    resumed: The same from the micro-step before the restart on (``2 k + 1``).
+    learning_rates: The paths asked for, read at each of those window ends
+      (each path may match several leaves, or none).
+    counts: The count paths asked for, read after the ``steps`` windows.
+    nonfinite_at: First micro-step (1-based, counting on through the restart)
+      after which params are not finite, or ``None``.
   """
 
   params: list[Any]
   changed: list[bool]
+  resumed: list[bool]
   learning_rates: dict[Path, list[list[float]]]
   counts: dict[Path, list[float]]
   nonfinite_at: int | None
-  resumed: list[bool]
 
 
-def setup_run(
+def run_setup(
   accumulation: Callable[..., tuple[Callable, Callable]],
   optimizer: Any,
   k: int,
   params: Any,
   micro: Sequence[Sequence[Any]],
-  reference: Reference,
-  resume: bool,
-) -> SetupRun:
-  """Runs the setup over every window, then simulates a restart mid-window.
+  lr_paths: Sequence[Path] = (),
+  counted: Sequence[Path] = (),
+  restart: bool = True,
+) -> LoopRun:
+  """Runs the setup over every window, then (``restart``) simulates a restart
+  mid-window.
 
   The restart: one micro-step into the next window, the setup is built again
   (``accumulation(optimizer, k)``, as a restarted process would) and goes on
-  from the params and state it had; ``2 k`` more micro-steps follow. A setup
-  whose own counters (outside its state) decide where windows end drifts by
-  one micro-step there, as after a resumed run or a skipped bad batch.
+  from the params and state it had, over the micro-batches of the first two
+  windows again. A setup whose own counters (outside its state) decide where
+  windows end drifts by one micro-step there, as after a resumed run or a
+  skipped bad batch.
   """
   init, step = accumulation(optimizer, k)
   current = copy_arrays(params)
   state = init(current)
-  out = SetupRun([], [], {path: [] for path in reference.learning_rates}, {}, None, [])
+  out = LoopRun([], [], [], {path: [] for path in lr_paths}, {}, None)
+  flat = [m for window in micro for m in window]
+  seen = host_copy(current)  # The params as the last step left them.
 
-  def advance(step: Callable, micro_batch: Any) -> bool:
-    nonlocal current, state
-    before = copy_arrays(current)
+  def advance(step: Callable, micro_batch: Any, flags: list[bool]) -> None:
+    nonlocal current, state, seen
     current, state = step(current, state, micro_batch)
-    return differs(current, before)
+    before, seen = seen, host_copy(current)
+    flags.append(differs(seen, before))
+    if out.nonfinite_at is None and not finite(seen):
+      out.nonfinite_at = len(out.changed) + len(out.resumed)
 
-  for window in micro:
-    for micro_batch in window:
-      out.changed.append(advance(step, micro_batch))
-      if out.nonfinite_at is None and not finite(current):
-        out.nonfinite_at = len(out.changed)
-    out.params.append(copy_arrays(current))
-    learning_rates = read_all(state, list(out.learning_rates))
-    for path, values in learning_rates.items():
+  def window_end() -> None:
+    out.params.append(seen)
+    for path, values in read_all(state, lr_paths).items():
       out.learning_rates[path].append(values)
-  out.counts = read_all(state, list(reference.counts))
-  if resume:
-    flat = [m for window in micro for m in window]
-    out.resumed.append(advance(step, flat[0]))
-    _, step = accumulation(optimizer, k)
-    for i in range(1, 2 * k + 1):
-      out.resumed.append(advance(step, flat[i % len(flat)]))
+
+  for i, micro_batch in enumerate(flat):
+    advance(step, micro_batch, out.changed)
+    if i % k == k - 1:
+      window_end()
+  out.counts = read_all(state, counted)
+  if not restart:
+    return out
+  advance(step, flat[0], out.resumed)
+  _, step = accumulation(optimizer, k)
+  for i in range(1, 2 * k + 1):
+    advance(step, flat[i % len(flat)], out.resumed)
+    if i % k == k - 1:
+      window_end()
   return out
-
-
-@dataclasses.dataclass
-class Probe:
-  """The first window through the setup around ``optax.sgd(1.0)``.
-
-  Attributes:
-    applied: The gradient the setup applied (float32 params before minus after).
-    changed: For each micro-step, whether params changed.
-  """
-
-  applied: Any
-  changed: list[bool]
-
-
-def gradient_probe(
-  accumulation: Callable[..., tuple[Callable, Callable]],
-  k: int,
-  params32: Any,
-  window: Sequence[Any],
-) -> Probe:
-  init, step = accumulation(PROBE_OPTIMIZER, k)
-  current = copy_arrays(params32)
-  state = init(current)
-  changed = []
-  for micro_batch in window:
-    before = copy_arrays(current)
-    current, state = step(current, state, micro_batch)
-    changed.append(differs(current, before))
-  return Probe(jax.tree.map(jnp.subtract, params32, f32(current)), changed)

@@ -2,15 +2,16 @@
 
 An accumulator passed as ``optimizer`` (``optax.MultiSteps``,
 :class:`optax_accum.MultiSteps`) is audited as the setup its users run: the
-usual loop around it, with its inner optimizer on the whole-batch side.
+usual loop around it, with its inner optimizer on the whole-batch side. An
+:class:`optax_accum.MultiSteps` inside the optimizer (``optax.chain``) is run
+as written, the whole batch ending its window on every update.
 """
 
 from __future__ import annotations
 
-import collections
 import copy
 import dataclasses
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any, TypeAlias
 
 import jax
@@ -18,8 +19,15 @@ import jax.numpy as jnp
 import optax
 
 from optax_accum import _checks
+from optax_accum._audit_loops import (
+  STATELESS_PROBE,
+  LossView,
+  built_once,
+  probe_optimizer,
+  train_step_loop,
+  usual_loop,
+)
 from optax_accum._multi_steps import MultiSteps, MultiStepsState
-from optax_accum._train_step import make_train_step
 
 #: ``accumulation(optimizer, k) -> (init, step)`` with ``init(params) -> state``
 #: and ``step(params, state, micro_batch) -> (params, state)``, one call per
@@ -38,11 +46,22 @@ class Setup:
     name: How the report names the setup.
     accumulation: Builds it around an optimizer (see :data:`Accumulation`).
     optimizer: What the whole batch applies once per update.
+    loss: The loss as the whole batch takes it: the token mean and the weight.
+    probe: What the setup runs around to show the gradient it applies: your
+      optimizer with its updates replaced by the gradient, or for the loops the
+      audit builds (which read no optimizer state) a stateless one; ``None``
+      where the accumulator sits inside the optimizer and cannot be swapped.
+    ends_windows: Whether ``optimizer`` holds an :class:`optax_accum.MultiSteps`,
+      whose window the whole batch then ends on every update
+      (``end_window=True``), so members after it step once per update.
   """
 
   name: str
   accumulation: Accumulation
   optimizer: optax.GradientTransformation
+  loss: LossView
+  probe: optax.GradientTransformation | None
+  ends_windows: bool = False
 
 
 def accumulator_name(acc: Any) -> str:
@@ -61,9 +80,10 @@ def find_accumulator(optimizer: Any) -> Accumulator | None:
   return owner if isinstance(owner, _ACCUMULATORS) else None
 
 
-def _holds_accumulator_state(state: Any) -> bool:
+def _accumulator_states(state: Any) -> set[type]:
+  """The types of the accumulator states inside ``state``."""
   nodes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, _STATES))
-  return any(isinstance(node, _STATES) for node in nodes)
+  return {type(node) for node in nodes if isinstance(node, _STATES)}
 
 
 def _window_size(acc: Accumulator) -> int | None:
@@ -101,7 +121,7 @@ def _optax_private(
     if not hasattr(acc, "_opt"):
       raise ValueError(
         f"This version of {accumulator_name(acc)} cannot be re-wrapped around "
-        "optax.sgd(1.0) to measure its gradient; audit it through `accumulation=` "
+        "the audit's probe to measure its gradient; audit it through `accumulation=` "
         "with its inner optimizer as `optimizer`."
       )
     clone = copy.copy(acc)
@@ -109,18 +129,6 @@ def _optax_private(
     return clone
 
   return getattr(acc, "_every_k_schedule", None), rewrapped
-
-
-def strip_aux(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
-  """``loss_fn`` as ``(params, batch) -> (loss, weight)``."""
-  if not has_aux:
-    return loss_fn
-
-  def loss(params: Any, batch: Any) -> tuple[Any, Any]:
-    value, (weight, _) = loss_fn(params, batch)
-    return value, weight
-
-  return loss
 
 
 def _describe(out: Any) -> str:
@@ -131,25 +139,28 @@ def _describe(out: Any) -> str:
   return type(out).__name__
 
 
-def check_loss_fn(
-  loss_fn: Callable[..., Any], has_aux: bool, params: Any, micro_batch: Any
-) -> None:
-  """Raises ``ValueError`` unless ``loss_fn`` returns what ``audit`` needs."""
-  _checks.callable_arg(loss_fn, name="loss_fn")
-  want = "(loss, (weight, aux))" if has_aux else "(loss, weight)"
+def check_loss_fn(loss: LossView, params: Any, micro_batch: Any) -> None:
+  """Raises ``ValueError`` unless ``loss.loss_fn`` returns what ``audit`` needs."""
+  _checks.callable_arg(loss.loss_fn, name="loss_fn")
+  want = "(loss, (weight, aux))" if loss.has_aux else "(loss, weight)"
+  what = (
+    "the loss summed over tokens (grad_reduction='sum') and the number of tokens, "
+    "e.g. `return (losses * mask).sum(), mask.sum()`"
+    if loss.summed
+    else "the token-mean loss and the number of tokens behind it, e.g. `return "
+    "(losses * mask).sum() / mask.sum(), mask.sum()`"
+  )
 
   def fail(got: str) -> ValueError:
     return ValueError(
-      f"`loss_fn` must return {want} with has_aux={has_aux}, {got}: return the "
-      "token-mean loss and the number of tokens behind it, e.g. `return "
-      "(losses * mask).sum() / mask.sum(), mask.sum()`."
+      f"`loss_fn` must return {want} with has_aux={loss.has_aux}, {got}: return {what}."
     )
 
-  out = jax.eval_shape(loss_fn, params, micro_batch)
+  out = jax.eval_shape(loss.loss_fn, params, micro_batch)
   if not (isinstance(out, tuple) and len(out) == 2):
     raise fail(f"got {_describe(out)}")
   value, rest = out
-  if has_aux:
+  if loss.has_aux:
     if not (isinstance(rest, tuple) and len(rest) == 2):
       raise fail(f"got (loss, {_describe(rest)})")
     rest = rest[0]
@@ -158,71 +169,6 @@ def check_loss_fn(
   for name, x in (("loss", value), ("weight", rest)):
     if not isinstance(x, jax.ShapeDtypeStruct) or x.shape != ():
       raise fail(f"got a {name} that is {_describe(x)}, not a scalar")
-
-
-#: Setups built by the audit, newest last: auditing the same loss and optimizer
-#: again (or the restart the audit simulates) reuses their compiled programs.
-_BUILT: collections.OrderedDict[Hashable, tuple[Callable, Callable]] = (
-  collections.OrderedDict()
-)
-_MAX_BUILT = 8
-
-
-def _built_once(
-  key: tuple[Any, ...], build: Callable[[], tuple[Callable, Callable]]
-) -> tuple[Callable, Callable]:
-  """``build()``, or what it returned for ``key`` before.
-
-  Only for setups that keep nothing on the host: building them again gives
-  the same functions, so reusing them spares compiling them again.
-  """
-  try:
-    hash(key)
-  except TypeError:  # An unhashable optimizer: build it every time.
-    return build()
-  if key in _BUILT:
-    _BUILT.move_to_end(key)
-    return _BUILT[key]
-  _BUILT[key] = built = build()
-  while len(_BUILT) > _MAX_BUILT:
-    _BUILT.popitem(last=False)
-  return built
-
-
-def _train_step_setup(
-  loss_fn: Callable[..., Any], has_aux: bool, acc: MultiSteps
-) -> tuple[Callable, Callable]:
-  if acc.grad_reduction == "sum":  # audit's loss_fn is a token mean.
-    mean_loss = strip_aux(loss_fn, has_aux)
-
-    def summed(params: Any, batch: Any) -> tuple[Any, Any]:
-      value, weight = mean_loss(params, batch)
-      return value * weight, weight
-
-    train_step = make_train_step(summed, acc)
-  else:
-    train_step = make_train_step(loss_fn, acc, has_aux=has_aux)
-
-  def step(params: Any, state: Any, micro_batch: Any) -> tuple[Any, Any]:
-    params, state, _ = train_step(params, state, micro_batch)
-    return params, state
-
-  return acc.init, step
-
-
-def _optax_loop(
-  loss_fn: Callable[..., Any], has_aux: bool, acc: optax.MultiSteps
-) -> tuple[Callable, Callable]:
-  """The loop ``optax.MultiSteps`` users write: each micro-batch's mean gradient."""
-  mean_loss = strip_aux(loss_fn, has_aux)
-
-  @jax.jit
-  def step(params: Any, state: Any, micro_batch: Any) -> tuple[Any, Any]:
-    grads, _ = jax.grad(mean_loss, has_aux=True)(params, micro_batch)
-    updates, state = acc.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return acc.init, step
 
 
 def resolve_setup(
@@ -245,24 +191,58 @@ def resolve_setup(
       "`optimizer` must be an optax.GradientTransformation, got "
       f"{type(optimizer).__name__}."
     )
-  if _holds_accumulator_state(optimizer.init(params)):
+  loss = LossView(loss_fn, has_aux)
+  held = _accumulator_states(optimizer.init(params))
+  if held:
+    return _chained_setup(loss, optimizer, accumulation, held)
+  if accumulation is not None:
+    probe = probe_optimizer(optimizer)
+    return Setup("your accumulation", accumulation, optimizer, loss, probe)
+
+  def ours(opt: Any, k: int) -> tuple[Callable, Callable]:
+    return built_once(
+      ("ours", loss_fn, has_aux, opt, k),
+      lambda: train_step_loop(loss_fn, has_aux, MultiSteps(opt, k)),
+    )
+
+  name = "optax_accum.make_train_step (default)"
+  return Setup(name, ours, optimizer, loss, STATELESS_PROBE)
+
+
+def _chained_setup(
+  loss: LossView,
+  optimizer: optax.GradientTransformation,
+  accumulation: Accumulation | None,
+  held: set[type],
+) -> Setup:
+  """An accumulator inside ``optimizer`` (``optax.chain(MultiSteps(...), ...)``),
+  audited as written: the whole batch ends its window on every update."""
+  if optax.MultiStepsState in held:
     raise ValueError(
-      "`optimizer` holds an accumulator (optax.MultiSteps or optax_accum."
-      "MultiSteps) inside another transformation, so the whole-batch side "
-      "cannot apply it once per batch. Pass the optimizer without the "
-      "accumulator as `optimizer`, and build your setup around it in "
+      "`optimizer` holds an optax.MultiSteps inside another transformation "
+      "(e.g. optax.chain(optax.MultiSteps(...).gradient_transformation(), ...)), "
+      "which cannot end a window on demand, so the whole-batch side cannot run "
+      "it once per batch. To audit the layout as written, put "
+      "optax_accum.MultiSteps(opt, k) in its place (same arguments; without "
+      "weights it computes the same); or pass the optimizer without the "
+      "accumulator as `optimizer` and build your setup around it in "
       "`accumulation=`."
     )
   if accumulation is not None:
-    return Setup("your accumulation", accumulation, optimizer)
+    name = "your accumulation (an optax_accum.MultiSteps inside the optimizer)"
+    return Setup(name, accumulation, optimizer, loss, None, True)
 
-  def ours(opt: Any, k: int) -> tuple[Callable, Callable]:
-    return _built_once(
-      ("ours", loss_fn, has_aux, opt, k),
-      lambda: _train_step_setup(loss_fn, has_aux, MultiSteps(opt, k)),
+  def usual(opt: Any, k: int) -> tuple[Callable, Callable]:
+    del k  # The accumulator's own window size decides.
+    return built_once(
+      ("chained", loss, opt), lambda: usual_loop(loss, opt, weighted=True)
     )
 
-  return Setup("optax_accum.make_train_step (default)", ours, optimizer)
+  name = (
+    "your optimizer (an optax_accum.MultiSteps inside it) in the usual loop (each "
+    "micro-batch's gradient and weight to update)"
+  )
+  return Setup(name, usual, optimizer, loss, None, True)
 
 
 def _check_accumulator(
@@ -300,22 +280,33 @@ def _check_accumulator(
 def _accumulator_setup(
   loss_fn: Callable[..., Any], has_aux: bool, acc: Accumulator
 ) -> Setup:
-  """The usual loop around ``acc``; its inner optimizer is the whole batch's."""
+  """The usual loop around ``acc``; its inner optimizer is the whole batch's.
+
+  With ``grad_reduction="sum"`` ``loss_fn`` is the summed loss the train step
+  takes, and the whole batch takes its token mean.
+  """
   inner = acc.inner_opt
+  summed = isinstance(acc, MultiSteps) and acc.grad_reduction == "sum"
+  loss = LossView(loss_fn, has_aux, summed)
 
   def build(opt: Any) -> tuple[Callable, Callable]:
     wrapped = acc if opt is inner else _with_inner(acc, opt)
     if isinstance(wrapped, MultiSteps):
-      return _train_step_setup(loss_fn, has_aux, wrapped)
-    return _optax_loop(loss_fn, has_aux, wrapped)
+      return train_step_loop(loss_fn, has_aux, wrapped)
+    return usual_loop(loss, wrapped, weighted=False)
 
   def around(opt: Any, k: int) -> tuple[Callable, Callable]:
     del k  # The accumulator's own window size decides.
-    return _built_once(("around", loss_fn, has_aux, acc, opt), lambda: build(opt))
+    return built_once(("around", loss_fn, has_aux, acc, opt), lambda: build(opt))
 
-  how = (
-    "in optax_accum.make_train_step"
-    if isinstance(acc, MultiSteps)
-    else "in the usual loop (each micro-batch's gradient to update)"
-  )
-  return Setup(f"{accumulator_name(acc)} {how}", around, inner)
+  name = accumulator_name(acc)
+  if summed:
+    name += (
+      "(grad_reduction='sum') in optax_accum.make_train_step (loss_fn summed "
+      "over tokens; the whole batch takes its token mean)"
+    )
+  elif isinstance(acc, MultiSteps):
+    name += " in optax_accum.make_train_step"
+  else:
+    name += " in the usual loop (each micro-batch's gradient to update)"
+  return Setup(name, around, inner, loss, STATELESS_PROBE)

@@ -1,4 +1,9 @@
-"""The verdicts of ``audit``: which failure, if any, explains each measurement."""
+"""The verdicts of ``audit``: which failure, if any, explains each measurement.
+
+F3 is decided first: a schedule stepped too fast explains params that stop
+moving. F4 and F7 (``_audit_windows``) are decided from where the loop applies
+its updates, which no learning rate changes.
+"""
 
 from __future__ import annotations
 
@@ -6,25 +11,25 @@ import dataclasses
 
 from optax_accum import _report
 from optax_accum._audit_compare import GradientFit, ParamsComparison
-from optax_accum._audit_report import FAILURES, AuditReport, Verdict, lr_labels
-from optax_accum._audit_runs import Reference, SetupRun
+from optax_accum._audit_report import (
+  FAILURES,
+  FIXES,
+  AuditReport,
+  Verdict,
+  lr_labels,
+  place_in_state,
+)
+from optax_accum._audit_runs import LoopRun, Path, Reference
+from optax_accum._audit_windows import Windows, window_verdicts
 
-FIXES = {
-  "F1": "pass each micro-batch's token count: optax_accum.MultiSteps(...).update("
-  "grads, state, params, weight=n_tokens)",
-  "F3": "run the optimizer once per window (optax_accum.MultiSteps calls it only "
-  "on the micro-step that ends one), and count schedules in updates: "
-  "optax_accum.progress_schedule(schedule)",
-  "F4": "let the optimizer state decide window ends: optax_accum.make_train_step",
-  "F6": "add every micro-batch into the window's sum, never overwrite it: "
-  "optax_accum.MultiSteps",
-  "F7": "apply every update the optimizer returns, in one step function that "
-  "reads the window's end from the optimizer state: optax_accum.make_train_step",
-}
 #: Relative difference between learning rates that counts.
 LR_TOLERANCE = 1e-5
 _COMPARE_LOOP = (
   "compare your loop with optax_accum.make_train_step, micro-step by micro-step"
+)
+_NO_PROBE = (
+  "the accumulator sits inside your optimizer, so the audit cannot run it around "
+  "its gradient probe; the params are compared instead"
 )
 
 
@@ -33,74 +38,34 @@ class Evidence:
   """What the verdicts weigh besides the report's own numbers.
 
   Attributes:
-    fit: What the first window's applied gradient is.
-    probe_changed: For each micro-step of that window, whether params changed.
+    fit: What the first window's applied gradient is; ``None`` without a probe.
+    probe: The probe's run; ``None`` where the setup cannot be probed.
+    windows: Where the loop applies updates, and where it should.
     comparison: The setup's params against the whole batch's.
     reference: The whole-batch run.
     run: The setup's run.
-    steps: Updates run.
+    steps: Updates before the restart.
+    chained: Whether the accumulator sits inside the optimizer.
   """
 
-  fit: GradientFit
-  probe_changed: list[bool]
+  fit: GradientFit | None
+  probe: LoopRun | None
+  windows: Windows
   comparison: ParamsComparison
   reference: Reference
-  run: SetupRun
+  run: LoopRun
   steps: int
-
-
-def _window_verdicts(r: AuditReport) -> tuple[Verdict, Verdict, bool]:
-  """F7 and F4 from where params changed; and whether the windows line up."""
-  k = r.k
-  if not any(r.expected_changes):
-    na = Verdict("n/a", "the whole-batch run never changed the params")
-    return na, na, False
-  if not any(r.changed):
-    return (
-      Verdict("FOUND", "params never changed", FIXES["F7"]),
-      Verdict("n/a", "no update to place"),
-      False,
-    )
-  pairs = zip(r.changed, r.expected_changes, strict=True)
-  mismatch = [i for i, (a, b) in enumerate(pairs) if a != b]
-  if mismatch:
-    i = mismatch[0]
-    what = "changed" if r.changed[i] else "did not change"
-    f4 = Verdict(
-      "FOUND",
-      f"params {what} after micro-step {i + 1}; windows end every {k}",
-      FIXES["F4"],
-    )
-  else:
-    f4 = Verdict("ok", "updates at window ends")
-  after = r.resumed[1:]
-  if r.resumed and not any(after):
-    f7 = Verdict(
-      "FOUND",
-      f"params froze after a restart one micro-step into a window: no update in "
-      f"the {len(after)} micro-steps after it (the loop's own micro-step count and "
-      "the optimizer state no longer agree, as after a resumed run or a skipped "
-      "batch)",
-      FIXES["F7"],
-    )
-  elif r.resumed and sum(after) > len(after) // k + 1:
-    f7 = Verdict("ok", "params changed")
-    f4 = Verdict(
-      "FOUND",
-      f"after a restart one micro-step into a window params changed {sum(after)} "
-      f"times in {len(after)} micro-steps",
-      FIXES["F4"],
-    )
-  else:
-    f7 = Verdict("ok", "params changed, and again after a restart mid-window")
-  return f7, f4, not mismatch
+  chained: bool
 
 
 def _gradient_verdicts(
-  r: AuditReport, fit: GradientFit, probe_changed: list[bool]
+  r: AuditReport, fit: GradientFit | None, probe: LoopRun | None
 ) -> tuple[Verdict, Verdict, str | None]:
-  """F1 and F6 from the probe window; and an unexplained gradient problem."""
+  """F1 and F6 from the probe's first window; and an unexplained gradient problem."""
   k = r.k
+  if fit is None or probe is None:
+    return Verdict("n/a", _NO_PROBE), Verdict("n/a", _NO_PROBE), None
+  probe_changed = probe.changed[:k]
   if probe_changed != [False] * (k - 1) + [True]:
     where = _report.marks(probe_changed)
     na = Verdict("n/a", f"the first window changed params at {where}, not at its end")
@@ -133,14 +98,15 @@ def _gradient_verdicts(
   return na, na, f"the window {off}: {fit.what}"
 
 
-def _schedule_verdict(reference: Reference, run: SetupRun, steps: int) -> Verdict:
-  """F3 from every injected learning rate and every step count."""
+def _learning_rate_problems(
+  reference: Reference, run: LoopRun, compared: int
+) -> list[str]:
+  """The first update at which each injected learning rate differs."""
   labels = lr_labels(list(reference.learning_rates))
   problems = []
   for path, ref_values in reference.learning_rates.items():
-    for n, (mine, ref) in enumerate(
-      zip(run.learning_rates[path], ref_values, strict=True)
-    ):
+    pairs = zip(run.learning_rates[path][:compared], ref_values, strict=False)
+    for n, (mine, ref) in enumerate(pairs):
       bad = [v for v in mine if abs(v - ref) > LR_TOLERANCE * max(abs(ref), 1e-12)]
       if bad:
         where = f" of {labels[path]}" if labels[path] else ""
@@ -149,21 +115,50 @@ def _schedule_verdict(reference: Reference, run: SetupRun, steps: int) -> Verdic
           f"{ref:.3g})"
         )
         break
+  return problems
+
+
+def _count_problem(
+  counted: dict[Path, tuple[float, float]], steps: int, chained: bool
+) -> tuple[str, str] | None:
+  """The step count furthest ahead of the whole batch's, and the fix."""
+  fast = {path: c for path, c in counted.items() if c[0] > c[1]}
+  if not fast:
+    return None
+  path = max(fast, key=lambda p: fast[p][0])
+  count, ref_count = fast[path]
+  after = f"after {steps} updates (whole batch: {ref_count:.0f})"
+  if chained and "inner_opt_state" not in path:
+    return (
+      f"the step count of {place_in_state(path[:-1])}, chained after the "
+      f"accumulator, is {count:.0f} {after}: it runs on every micro-step, so its "
+      "schedule runs ahead",
+      FIXES["F3 chained"],
+    )
+  return (
+    f"the optimizer's step count is {count:.0f} {after}: it ran on micro-steps, so "
+    "schedules and Adam's bias correction run ahead",
+    FIXES["F3"],
+  )
+
+
+def _schedule_verdict(e: Evidence) -> Verdict:
+  """F3 from every injected learning rate and every step count."""
+  reference, run, steps = e.reference, e.run, e.steps
+  problems = _learning_rate_problems(reference, run, e.windows.compared)
   counted = {
-    path: (max(run.counts[path]), ref[0])
+    path: (max(run.counts[path]), ref[steps - 1])
     for path, ref in reference.counts.items()
     if run.counts.get(path)
   }
-  fast = {path: c for path, c in counted.items() if c[0] > c[1]}
-  if fast:
-    count, ref_count = max(fast.values())
-    problems.append(
-      f"the optimizer's step count is {count:.0f} after {steps} updates (whole "
-      f"batch: {ref_count:.0f}): it ran on micro-steps, so schedules and Adam's bias "
-      "correction run ahead"
-    )
+  count = _count_problem(counted, steps, e.chained)
+  fix = FIXES["F3"]
+  if count:
+    problems.append(count[0])
+    fix = count[1]
   if problems:
-    return Verdict("FOUND", "; ".join(problems), FIXES["F3"])
+    note = _zero_update_note(e.windows)
+    return Verdict("FOUND", "; ".join(problems + ([note] if note else [])), fix)
   lrs = any(any(v) for v in run.learning_rates.values())
   if not lrs and not counted:
     if reference.learning_rates or reference.counts:
@@ -180,22 +175,38 @@ def _schedule_verdict(reference: Reference, run: SetupRun, steps: int) -> Verdic
   return Verdict("ok", ", ".join(w for w in what if w))
 
 
+def _zero_update_note(w: Windows) -> str:
+  """Which of the updates the loop applies move nothing: what F3 explains."""
+  zero, applied = w.zero_updates() if w.measured else ([], 0)
+  if not zero:
+    return ""
+  if len(zero) == applied:
+    return (
+      f"stepped that far, your optimizer returns zero updates: none of the "
+      f"{applied} updates your loop applies moves the params"
+    )
+  where = f"micro-step {zero[0] + 1}" if zero[0] < len(w.applied) else "the restart"
+  return (
+    f"stepped that far, your optimizer returns zero updates from {where}: "
+    f"{len(zero)} of the {applied} updates your loop applies move nothing"
+  )
+
+
 def verdicts(r: AuditReport, evidence: Evidence) -> dict[str, Verdict]:
   """One verdict per failure id, from the measurements."""
   reference, run = evidence.reference, evidence.run
-  v: dict[str, Verdict] = {}
-  v["F7"], v["F4"], aligned = _window_verdicts(r)
+  v: dict[str, Verdict] = {"F3": _schedule_verdict(evidence)}
+  v["F7"], v["F4"] = window_verdicts(evidence.windows, v["F3"].status == "FOUND")
   if reference.nonfinite_at is not None:
     v["F7"] = v["F4"] = Verdict("n/a", "the whole-batch run diverges")
   elif run.nonfinite_at is not None:  # NaN params compare equal to NaN params.
     v["F7"] = v["F4"] = Verdict("n/a", "your params became non-finite")
   v["F1"], v["F6"], gradient_problem = _gradient_verdicts(
-    r, evidence.fit, evidence.probe_changed
+    r, evidence.fit, evidence.probe
   )
-  v["F3"] = _schedule_verdict(reference, run, evidence.steps)
   explained = any(x.status == "FOUND" for x in v.values())
   problems, fix = _nonfinite_problems(reference, run)
-  if not any(r.expected_changes):
+  if not any(reference.changed):
     problems.append(
       "the whole-batch run never changed the params, so nothing could be "
       "compared (a learning rate of 0?)"
@@ -208,7 +219,7 @@ def verdicts(r: AuditReport, evidence: Evidence) -> dict[str, Verdict]:
       "window sum and divisor with optax_accum.MultiSteps"
     )
   if not explained and not problems:
-    problems, fix = _trajectory_problems(r, evidence, aligned)
+    problems, fix = _trajectory_problems(r, evidence, v["F4"].status != "FOUND")
   v["other"] = (
     Verdict("FOUND", "; ".join(problems), fix)
     if problems
@@ -217,7 +228,7 @@ def verdicts(r: AuditReport, evidence: Evidence) -> dict[str, Verdict]:
   return {failure: v[failure] for failure in FAILURES}
 
 
-def _nonfinite_problems(reference: Reference, run: SetupRun) -> tuple[list[str], str]:
+def _nonfinite_problems(reference: Reference, run: LoopRun) -> tuple[list[str], str]:
   """Params that stopped being finite, on either side; and the fix."""
   if reference.nonfinite_at is not None:
     low = ", ".join(f"{n} = {x:.4g}" for n, x in reference.low_precision.items())
@@ -253,15 +264,21 @@ def _trajectory_problems(
     f"params end {r.params_diff:.1e} from the whole batch's; leaf {leaf} is "
     f"{dist:.1e} off after update {off} (rounding alone: {noise:.1e})"
   )
-  if off == 1 and evidence.fit.kind == "whole" and aligned:
+  fit = evidence.fit
+  if off == 1 and fit is not None and fit.kind == "whole" and aligned:
     return [problem], (
       "the first window's gradient matches but the first update does not: the "
       "optimizer gets other params, extra arguments or state than on the "
       "whole batch"
     )
   if off > 1:
+    restart = (
+      f" (update {evidence.steps + 1} is the first after the restart)"
+      if off > evidence.steps
+      else ""
+    )
     return [problem], (
-      f"updates 1-{off - 1} match: something carried from window to window "
-      "differs (the optimizer state, a count, an accumulator not emptied)"
+      f"updates 1-{off - 1} match{restart}: something carried from window to "
+      "window differs (the optimizer state, a count, an accumulator not emptied)"
     )
   return [problem], _COMPARE_LOOP

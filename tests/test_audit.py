@@ -2,14 +2,18 @@
 
 The corpus: each seed bug in the form it really takes (optax.MultiSteps on mean
 losses, an optimizer stepped on micro-steps in one optimizer or in a later
-`optax.multi_transform` branch, `step % k == 0`, the last micro-batch's
-gradient scaled three ways, the two-function loop fresh and after one micro-step
-of drift, a loop that never applies its updates) and correct setups on models
-with attention biases, whose key bias has a gradient at rounding level. No
-false OK and no false alarm.
+`optax.multi_transform` branch, with a schedule that reaches 0 and together
+with `step % k == 0`, a schedule chained after the accumulator, `step % k ==
+0`, the last micro-batch's gradient scaled three ways, the two-function loop
+fresh and after one micro-step of drift, a loop that never applies its updates,
+one that goes wrong at update 4) and correct setups on models with attention
+biases, whose key bias has a gradient at rounding level: the library's own step
+with schedules that reach 0, the `grad_reduction="sum"` recipe, a loop that
+reads `.hyperparams`. No false OK and no false alarm; docs/audit.md lists them.
 """
 
 import functools
+import pathlib
 import re
 
 import flax.linen as nn
@@ -54,18 +58,32 @@ def _causal_attention(q, k, v):
   return jnp.einsum("bts,bsd->btd", jax.nn.softmax(scores), v)
 
 
-def _token_mean_ce(logits, batch):
+def _summed_ce(logits, batch):
   nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
   mask = jnp.asarray(batch["mask"], nll.dtype)
-  return (nll * mask).sum() / mask.sum(), mask.sum()
+  return (nll * mask).sum(), mask.sum()
+
+
+def _token_mean_ce(logits, batch):
+  total, tokens = _summed_ce(logits, batch)
+  return total / tokens, tokens
+
+
+def _logits(params, batch):
+  h = params["embed"][batch["inputs"]]
+  a = params["attn"]
+  h = h + _dense(a["o"], _causal_attention(*(_dense(a[n], h) for n in "qkv")))
+  return _dense(params["head"], jnp.tanh(h))
 
 
 def mean_loss(params, batch):
   """Token-mean cross-entropy and the number of tokens: `(loss, weight)`."""
-  h = params["embed"][batch["inputs"]]
-  a = params["attn"]
-  h = h + _dense(a["o"], _causal_attention(*(_dense(a[n], h) for n in "qkv")))
-  return _token_mean_ce(_dense(params["head"], jnp.tanh(h)), batch)
+  return _token_mean_ce(_logits(params, batch), batch)
+
+
+def summed_loss(params, batch):
+  """The `grad_reduction="sum"` recipe's loss: summed over tokens, and their count."""
+  return _summed_ce(_logits(params, batch), batch)
 
 
 def make_batch(seed=0):
@@ -112,6 +130,13 @@ def three_groups(injected=True):
 
 ADAMW, ADAMW_PLAIN = adamw(), adamw(injected=False)
 GROUPS, GROUPS_PLAIN = three_groups(), three_groups(injected=False)
+# Schedules that reach 0 within the audited updates: the whole batch stops moving.
+WARMUP_COSINE_TO_0 = optax.inject_hyperparams(optax.adamw)(
+  learning_rate=optax.warmup_cosine_decay_schedule(1e-3, 1e-2, 1, 3)
+)
+LINEAR_TO_0 = optax.inject_hyperparams(optax.adamw)(
+  learning_rate=optax.linear_schedule(1e-2, 0.0, 4)
+)
 
 
 # --- the corpus: setups as their users wrote them ---------------------------------
@@ -139,13 +164,22 @@ def summing_multisteps_loop(optimizer, k):
   return optax_multisteps_loop(optimizer, k, use_grad_mean=False)
 
 
-@functools.cache
-def optimizer_on_every_micro_step(optimizer, k):
+def micro_stepped_optimizer(ends_window):
   """Token-weighted, but `optimizer.update` (schedule and all) runs every micro-step.
 
   A port of a PyTorch loop that steps its scheduler on every backward: the
-  state advances each time, only the window's last update is applied.
+  state advances each time, only the update where `ends_window` says is applied.
   """
+
+  @functools.cache
+  def accumulation(optimizer, k):
+    return _micro_stepped(optimizer, k, ends_window)
+
+  return accumulation
+
+
+def _micro_stepped(optimizer, k, ends_window):
+  """`(init, step)` of `micro_stepped_optimizer(ends_window)(optimizer, k)`."""
 
   def init(params):
     return (
@@ -168,12 +202,22 @@ def optimizer_on_every_micro_step(optimizer, k):
     updates, opt_state, acc, total = accumulate(
       params, opt_state, acc, total, micro_batch
     )
-    if i % k == k - 1:
+    if ends_window(i, k):
       params = optax.apply_updates(params, updates)
       acc, total = jax.tree.map(jnp.zeros_like, acc), jnp.zeros(())
     return params, (opt_state, acc, total, i + 1)
 
   return init, step
+
+
+def at_window_end(i, k):
+  return i % k == k - 1
+
+
+optimizer_on_every_micro_step = micro_stepped_optimizer(at_window_end)
+# F3 and F4 in one loop, as the PyTorch loop shipped: the scheduler stepped on
+# every backward, and the update applied where `step % k == 0`.
+pytorch_loop = micro_stepped_optimizer(lambda i, k: i % k == 0)
 
 
 @jax.jit
@@ -193,15 +237,19 @@ def _apply_window(optimizer):
   return apply
 
 
-def hand_loop(ends_window, *, python_counter=False):
+def hand_loop(ends_window, *, python_counter=False, empties=None, logs_lr=False):
   """A token-weighted loop: `acc += n * g`, the optimizer where `ends_window` says.
 
   With `python_counter` the micro-step count lives in the loop, not the state.
+  `empties(update)` (1-based) says whether the sum is emptied after that update
+  (always, by default). With `logs_lr` the loop reads the learning rate from
+  its optimizer state (`opt_state.hyperparams`) at each update, for its log.
   """
 
   def accumulation(optimizer, k):
     apply = _apply_window(optimizer)
     counter = 0
+    log = []
 
     def init(params):
       return (
@@ -219,7 +267,10 @@ def hand_loop(ends_window, *, python_counter=False):
       acc, total = _add_micro_batch(params, acc, total, micro_batch)
       if ends_window(i, k):
         params, opt_state = apply(params, opt_state, acc, total)
-        acc, total = jax.tree.map(jnp.zeros_like, acc), jnp.zeros(())
+        if logs_lr:
+          log.append(float(opt_state.hyperparams["learning_rate"]))
+        if empties is None or empties(i // k + 1):
+          acc, total = jax.tree.map(jnp.zeros_like, acc), jnp.zeros(())
       return params, (opt_state, acc, total, i + 1)
 
     return init, step
@@ -227,12 +278,12 @@ def hand_loop(ends_window, *, python_counter=False):
   return accumulation
 
 
-def at_window_end(i, k):
-  return i % k == k - 1
-
-
 correct_hand_loop = hand_loop(at_window_end)
 correct_hand_loop_python_counter = hand_loop(at_window_end, python_counter=True)
+hand_loop_logging_lr = hand_loop(at_window_end, logs_lr=True)
+# A bug that starts at update 4: the sum is emptied during warmup only (updates
+# 1-2), so update 4 still holds update 3's gradients.
+empties_only_in_warmup = hand_loop(at_window_end, empties=lambda update: update <= 2)
 # F4: `step % k == 0` on a 0-based count: the first update uses one micro-batch.
 off_by_one_loop = hand_loop(lambda i, k: i % k == 0)
 
@@ -348,9 +399,9 @@ def never_applies(optimizer, k):
   return ms.init, step
 
 
-def _audit(setup, optimizer=ADAMW, **kwargs):
+def _audit(setup, optimizer=ADAMW, loss_fn=mean_loss, **kwargs):
   return optax_accum.audit(
-    mean_loss,
+    loss_fn,
     optimizer,
     kwargs.pop("params", None) or init_params(),
     kwargs.pop("batch", None) or make_batch(),
@@ -385,12 +436,44 @@ def _accumulator_as_optimizer(report):
 def _every_group_compared(report):
   assert set(report.lr_reference) == {"attn", "embed", "head"}
   np.testing.assert_allclose(
-    report.lr_reference["head"], [SCHEDULE(n) for n in range(3)], rtol=1e-6
+    report.lr_reference["head"], [SCHEDULE(n) for n in range(5)], rtol=1e-6
   )
   np.testing.assert_allclose(
-    report.lr["head"], [SCHEDULE(K * n + K - 1) for n in range(3)], rtol=1e-6
+    report.lr["head"], [SCHEDULE(K * n + K - 1) for n in range(5)], rtol=1e-6
   )
   np.testing.assert_allclose(report.lr["attn"], report.lr_reference["attn"])
+
+
+def _applies_every_update_but_lr_is_0(report):
+  """Params never change, yet the loop applies every update: F3, not F7."""
+  assert not any(report.changed) and report.applied == report.expected_applied
+  assert report.verdicts["F7"].status == "ok"
+  assert "zero updates (F3)" in report.verdicts["F7"].detail
+
+
+def _f4_names_where_updates_land(report):
+  """F4 says where updates land; F3 says why none move the params after the first."""
+  assert report.changed[:K] == [True, False, False, False]
+  assert not any(report.changed[K:]) and not any(report.resumed)
+  f4 = report.verdicts["F4"].detail
+  assert f4.startswith("an update is applied after micro-step 1; windows end every 4")
+  assert "learning rate" not in f4
+  assert report.verdicts["F7"].status == "ok"
+
+
+def _compares_after_the_restart(report):
+  """Updates 1-3 match; the restart segment is compared too, and says so."""
+  assert report.updates_compared == 5
+  assert "k=4, updates 1-5 against the whole batch" in str(report)
+  fix = report.verdicts["other"].fix
+  assert "updates 1-3 match" in fix and "an accumulator not emptied" in fix
+
+
+def _chained_layout_is_audited_as_written(report):
+  assert report.setup.startswith("your optimizer (an optax_accum.MultiSteps inside")
+  assert report.verdicts["F1"].status == "n/a"
+  assert "inside your optimizer" in report.verdicts["F1"].detail
+  assert "optax_accum.MultiSteps(optax.chain(" in report.verdicts["F3"].fix
 
 
 def _fine_until_the_restart(report):
@@ -458,7 +541,7 @@ CORPUS = {
     off_by_one_loop,
     ADAMW,
     {"F4"},
-    r"changed after micro-step 1;",
+    r"an update is applied after micro-step 1; windows end every 4",
     None,
   ),
   "last micro-batch only, unscaled": (
@@ -497,6 +580,40 @@ CORPUS = {
     None,
   ),
   "never applies its updates": (never_applies, ADAMW, {"F7"}, r"never changed", None),
+  "optimizer on every micro-step, warmup-cosine to 0 in 3 updates": (
+    optimizer_on_every_micro_step,
+    WARMUP_COSINE_TO_0,
+    {"F3"},
+    r"learning rate is 0 at update 1 \(whole batch: 0.001\).*: none of the 5 "
+    r"updates your loop applies moves the params",
+    _applies_every_update_but_lr_is_0,
+  ),
+  "scheduler on every micro-step and step % k == 0, warmup-cosine to 0": (
+    pytorch_loop,
+    WARMUP_COSINE_TO_0,
+    {"F3", "F4"},
+    r"learning rate is 0 at update 1 .* zero updates from micro-step 5: 5 of the "
+    r"6 updates your loop applies move nothing",
+    _f4_names_where_updates_land,
+  ),
+  "empties its sum during warmup only: wrong from update 4": (
+    empties_only_in_warmup,
+    ADAMW,
+    {"other"},
+    r"off after update 4 ",
+    _compares_after_the_restart,
+  ),
+  "schedule chained after optax_accum.MultiSteps": (
+    None,
+    optax.chain(
+      optax_accum.MultiSteps(ADAMW, K).gradient_transformation(),
+      optax.scale_by_schedule(optax.linear_schedule(1.0, 0.1, 6)),
+    ),
+    {"F3"},
+    r"step count of \[1\], chained after the accumulator, is 12 after 3 updates "
+    r"\(whole batch: 3\)",
+    _chained_layout_is_audited_as_written,
+  ),
 }
 
 
@@ -529,48 +646,106 @@ def test_accumulator_misuse_is_refused_with_the_right_call():
       k=K,
       accumulation=optax_multisteps_loop,
     )
-  nested = optax.chain(
-    optax.clip_by_global_norm(1.0), optax.MultiSteps(ADAMW, K).gradient_transformation()
-  )
-  with pytest.raises(ValueError, match=r"holds an accumulator .* inside another"):
-    optax_accum.audit(mean_loss, nested, params, batch, k=K)
   window_mean = optax_accum.MultiSteps(ADAMW, K, grad_reduction="window_mean")
   with pytest.raises(ValueError, match=r"audit it with grad_reduction='mean'"):
     optax_accum.audit(mean_loss, window_mean, params, batch, k=K)
 
 
+def test_optax_multisteps_inside_a_chain_is_refused_with_how_to_pass_it():
+  """The chained layout works with optax_accum.MultiSteps (the corpus audits it);
+  optax.MultiSteps cannot end a window on demand, so the message says what to do."""
+  chained = optax.chain(
+    optax.MultiSteps(ADAMW, K).gradient_transformation(),
+    optax.scale_by_schedule(optax.linear_schedule(1.0, 0.1, 6)),
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"holds an optax.MultiSteps inside another transformation.*put "
+    r"optax_accum.MultiSteps\(opt, k\) in its place",
+  ):
+    optax_accum.audit(mean_loss, chained, init_params(), make_batch(), k=K)
+
+
 # --- correct setups: OK ----------------------------------------------------------
 
 
+def _restart_where_lr_is_0(report):
+  """Whole-batch params stop at update 4: the restart still sees updates applied."""
+  assert report.lr_reference[""] == pytest.approx([1e-3, 1e-2, 5e-3, 0, 0], abs=1e-9)
+  assert report.expected_resumed[1:] == [False] * (2 * K)  # Nothing moves...
+  assert report.applied_resumed == report.expected_applied_resumed
+  assert any(report.applied_resumed[1:])  # ...but the loop applies its updates.
+
+
+# name: (accumulation, optimizer, loss_fn[, further checks]).
 CORRECT = {
-  "optax_accum (default)": (None, ADAMW),
-  "optax_accum, three groups": (None, GROUPS_PLAIN),
-  "optax_accum.MultiSteps passed as the optimizer": (
+  "optax_accum (default)": (None, ADAMW, mean_loss),
+  "optax_accum (default), warmup-cosine to 0 in 3 updates": (
     None,
-    optax_accum.MultiSteps(ADAMW, K),
+    WARMUP_COSINE_TO_0,
+    mean_loss,
+    _restart_where_lr_is_0,
   ),
-  "a correct hand loop": (correct_hand_loop, ADAMW),
+  "optax_accum, three groups": (None, GROUPS_PLAIN, mean_loss),
+  "optax_accum.MultiSteps passed as the optimizer, linear to 0 at update 5": (
+    None,
+    optax_accum.MultiSteps(LINEAR_TO_0, K),
+    mean_loss,
+  ),
+  "the grad_reduction='sum' recipe: a summed loss": (
+    None,
+    optax_accum.MultiSteps(ADAMW, K, grad_reduction="sum"),
+    summed_loss,
+  ),
+  "a correct hand loop": (correct_hand_loop, ADAMW, mean_loss),
+  "a correct hand loop, warmup-cosine to 0 in 3 updates": (
+    correct_hand_loop,
+    WARMUP_COSINE_TO_0,
+    mean_loss,
+  ),
+  "a correct hand loop that reads .hyperparams": (
+    hand_loop_logging_lr,
+    ADAMW,
+    mean_loss,
+  ),
   "a correct hand loop with a Python counter": (
     correct_hand_loop_python_counter,
     ADAMW_PLAIN,
+    mean_loss,
   ),
-  "optax.MultiSteps on equal lengths": (optax_multisteps_loop, ADAMW),
+  "optax.MultiSteps on equal lengths": (optax_multisteps_loop, ADAMW, mean_loss),
 }
 
 
 @pytest.mark.parametrize("name", CORRECT)
 def test_correct_setups_are_ok(name):
-  setup, optimizer = CORRECT[name]
+  setup, optimizer, loss_fn, *check = CORRECT[name]
   batch = make_batch()
   if "equal lengths" in name:
     batch["mask"] = np.ones_like(batch["mask"])  # F1 cannot show.
-  report = _audit(setup, optimizer, batch=batch)
+  report = _audit(setup, optimizer, loss_fn, batch=batch)
   assert report.ok and report.found() == set(), str(report)
   assert report.grad_error < 1e-5
   assert report.rounding_leaves == ["['attn']['k']['b']"]
   assert report.params_diff > report.tolerance  # The key bias differs, as it may.
-  assert any(report.resumed[1:])
+  assert report.changed == report.expected_changes
+  assert report.verdicts["F7"].status == "ok"  # The restart was tested...
+  if "Python counter" in name:  # ...and shifts this loop's windows by one.
+    assert report.updates_compared == 3
+    assert "one micro-step late: updates 4-5 not compared" in str(report)
+  else:
+    assert report.updates_compared == 5
+    assert report.resumed == report.expected_resumed
   assert (len(set(report.tokens)) > 1) == ("equal lengths" not in name)
+  for further in check:
+    further(report)
+
+
+def test_the_docs_list_every_setup_of_the_corpus():
+  page = (pathlib.Path(__file__).parent.parent / "docs" / "audit.md").read_text()
+  table = page.split("## The audit's own test corpus", 1)[1]
+  for name in [*CORPUS, *CORRECT]:
+    assert f"\n| {name} | " in table, name
 
 
 class NNXModel(nnx.Module):
