@@ -1,5 +1,5 @@
 # Every target builds its own environment first: a fresh clone needs only
-# Python 3.10+ and access to PyPI.
+# Python 3.11+ (pyproject.toml's requires-python, what jax needs) and access to PyPI.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -22,8 +22,8 @@ test: lint typecheck
 	$(PY) -m pytest -n 2
 
 lint: $(STAMP)
-	$(PY) -m ruff check optax_accum tests benchmarks examples docs/conf.py
-	$(PY) -m ruff format --check optax_accum tests benchmarks examples docs/conf.py
+	$(PY) -m ruff check optax_accum tests benchmarks examples docs/conf.py docs/mathtext_svg.py
+	$(PY) -m ruff format --check optax_accum tests benchmarks examples docs/conf.py docs/mathtext_svg.py
 
 typecheck: $(STAMP)
 	$(PY) -m mypy

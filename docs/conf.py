@@ -1,6 +1,8 @@
 """Sphinx configuration: ``make docs`` builds the site into docs/_build/html."""
 
+import pathlib
 import pkgutil
+import sys
 
 from sphinx.pycode import ModuleAnalyzer
 
@@ -14,7 +16,13 @@ extensions = [
   "myst_nb",  # MyST markdown pages and notebooks (includes myst_parser)
   "sphinx.ext.autodoc",
   "sphinx.ext.napoleon",  # Google-style Args:/Returns:/Examples: sections
+  "mathtext_svg",  # docs/mathtext_svg.py: formulas drawn at build time
 ]
+sys.path.insert(0, str(pathlib.Path(__file__).parent))  # for mathtext_svg
+
+# Formulas become inline SVG when the site is built (matplotlib's mathtext),
+# not MathJax from a CDN when a page is read: the site works offline.
+html_math_renderer = "mathtext_svg"
 
 # The notebooks are rendered from their committed outputs, never executed here:
 # the test suite executes them, and `make notebooks` refreshes the outputs.
