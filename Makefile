@@ -19,7 +19,7 @@ demo: $(STAMP)
 
 ## test: lint, type check, then the whole suite (doctests and notebooks too).
 test: lint typecheck
-	$(PY) -m pytest -n 2
+	$(PY) -m pytest -n 2 --cpu-durations=15
 
 lint: $(STAMP)
 	$(PY) -m ruff check optax_accum tests benchmarks examples docs/conf.py docs/mathtext_svg.py

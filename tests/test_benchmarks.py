@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from benchmarks import accumulation
 
 
+@pytest.mark.slow
 def test_benchmark_smoke(tmp_path):
   options = ["--models", "mlp-64x2-b4", "--ks", "1", "4", "--repeats", "2"]
   options += ["--leaf-counts", "10", "--machine", "smoke", "--out", str(tmp_path)]
@@ -43,11 +46,15 @@ def test_a_variant_faster_than_its_bound_is_reported():
   ]
 
 
+@pytest.mark.slow
 def test_data_parallel_benchmark_counts_one_reduction_per_window(tmp_path):
   """On the 8 test devices: the bytes reduced per window, from the HLO."""
   from benchmarks import data_parallel
 
+  # Two leaves and a row per device: the bytes reduced per window do not
+  # depend on depth or rows, and fewer of them compile and run faster.
   options = ["--ks", "1", "4", "--repeats", "1", "--windows", "1", "--width", "64"]
+  options += ["--depth", "2", "--rows", "8"]
   rows = data_parallel.main([*options, "--machine", "smoke", "--out", str(tmp_path)])
   ratio = {
     (row["recipe"], row["k"]): row["bytes_per_window"] / row["params_bytes"]

@@ -8,9 +8,11 @@ import checkpoint_worker as worker
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 import toy_lm
 
 
+@pytest.mark.slow
 def test_resume_mid_window_in_a_fresh_process_is_bit_identical(tmp_path):
   stream = worker.stream()
   opt, step = worker.make()

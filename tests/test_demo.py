@@ -11,16 +11,21 @@ from optax_accum import demo
 STEPS = 12
 
 
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
-  """One short demo run, shared: its printed table, results and output folder."""
-  out = tmp_path_factory.mktemp("demo")
-  table = io.StringIO()
-  with contextlib.redirect_stdout(table):
-    results = demo.main(["--steps", str(STEPS), "--k", "4", "--out", str(out)])
-  return table.getvalue(), results, out
+@pytest.fixture(scope="session")
+def demo_run(run_once):
+  """One short demo run, shared (by both xdist workers too): its printed
+  table, results and output folder."""
+
+  def run(out):
+    table = io.StringIO()
+    with contextlib.redirect_stdout(table):
+      results = demo.main(["--steps", str(STEPS), "--k", "4", "--out", str(out)])
+    return table.getvalue(), results, out
+
+  return run_once("demo", run)
 
 
+@pytest.mark.slow  # The demo run: first, so the other test finds it done.
 def test_demo_table_shows_the_fix(demo_run):
   table, results, out = demo_run
   assert "optax_accum" in table and "optax.MultiSteps" in table

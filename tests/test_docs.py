@@ -14,7 +14,18 @@ DOCS = pathlib.Path(__file__).parent.parent / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.stem)
+#: Pages whose blocks take 10 s of CPU or more: run first (see tests/conftest.py).
+SLOW_PAGES = {"audit", "frameworks", "loss_terms", "recipes", "schedules"}
+
+
+@pytest.mark.parametrize(
+  "page",
+  [
+    pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW_PAGES else p
+    for p in PAGES
+  ],
+  ids=lambda p: p.stem,
+)
 def test_python_blocks_print_what_the_page_shows(page):
   """Each page is its own session: a reader can run it from the top."""
   run_examples(page)
@@ -38,6 +49,7 @@ def test_the_api_reference_documents_every_public_name():
   assert documented == set(optax_accum.__all__) - {"__version__"}
 
 
+@pytest.mark.slow
 def test_every_page_and_notebook_is_in_the_site(tmp_path):
   """``make docs``: Sphinx with warnings as errors, so a broken link, a page
   left out of the toctree or a docstring that is not valid reST fails here.

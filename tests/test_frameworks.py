@@ -5,6 +5,7 @@ One test (or a few) per item of the issue; the item number is in the name's
 docstring. Equinox tests are skipped without equinox (an optional test extra).
 """
 
+import functools
 import inspect
 import pathlib
 import re
@@ -60,6 +61,14 @@ def _whole_batch(loss_fn, params, tx, batches, pass_value=False):
   return params, state, losses
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _linen_micro_step(loss_fn, state, micro_batch):
+  """The plain Linen loop body, jitted as a user would (eagerly, each call
+  compiles MultiSteps' `lax.cond` again)."""
+  grads, n = jax.grad(loss_fn, has_aux=True)(state.params, micro_batch)
+  return state.apply_gradients(grads=grads, weight=n)
+
+
 # --- Models -------------------------------------------------------------------------
 
 
@@ -72,6 +81,17 @@ def _nnx_whole_batch(tx, batches, loss=token_mean_ce, pass_value=False):
   return _whole_batch(loss_fn, params, tx, batches, pass_value)
 
 
+@functools.cache
+def _adamw_reference(model):
+  """Whole-batch AdamW on ``make_batches(UPDATES)`` for the Linen or NNX MLP:
+  params, state and losses, computed once for the tests that compare with it."""
+  batches = make_batches(UPDATES)
+  if model == "nnx":
+    return _nnx_whole_batch(_adamw(), batches)
+  _, params, loss_fn = linen_mlp()
+  return _whole_batch(loss_fn, params, _adamw(), batches)
+
+
 # --- 1. Linen TrainState -----------------------------------------------------------
 
 
@@ -79,7 +99,7 @@ def test_linen_train_state_apply_gradients_takes_weight():
   """Item 1 (and 7): the standard Linen loop, with `weight=` and an update count."""
   model, params, loss_fn = linen_mlp()
   batches = make_batches(UPDATES)
-  whole, _, _ = _whole_batch(loss_fn, params, _adamw(), batches)
+  whole, _, _ = _adamw_reference("linen")
 
   state = optax_accum.flax.TrainState.create(
     apply_fn=model.apply, params=params, tx=optax_accum.MultiSteps(_adamw(), K)
@@ -104,10 +124,15 @@ def test_linen_train_state_apply_gradients_takes_weight():
   linen = train_state.TrainState.create(
     apply_fn=model.apply, params=params, tx=optax_accum.MultiSteps(_adamw(), K)
   )
+
+  @jax.jit
+  def linen_step(linen, micro_batch):
+    grads, _ = jax.grad(loss_fn, has_aux=True)(linen.params, micro_batch)
+    return linen.apply_gradients(grads=grads)
+
   for batch in batches:
     for micro_batch in micro_batches(batch):
-      grads, _ = jax.grad(loss_fn, has_aux=True)(linen.params, micro_batch)
-      linen = linen.apply_gradients(grads=grads)
+      linen = linen_step(linen, micro_batch)
   assert rel(linen.params, whole) > 1e-3
   assert int(linen.step) == K * UPDATES
 
@@ -140,7 +165,7 @@ def test_linen_train_state_refuses_what_would_be_silently_wrong():
 def test_nnx_optimizer_loop_reads_the_finished_windows_loss():
   """Item 2: after the update, the window's loss and weight are still there."""
   batches = make_batches(UPDATES)
-  whole, _, whole_losses = _nnx_whole_batch(_adamw(), batches)
+  whole, _, whole_losses = _adamw_reference("nnx")
 
   model = MLP(nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, optax_accum.MultiSteps(_adamw(), K), wrt=nnx.Param)
@@ -234,8 +259,7 @@ def test_linen_multi_transform_reports_every_groups_learning_rate():
   )
   for update, batch in enumerate(batches):
     for micro_batch in micro_batches(batch):
-      grads, n = jax.grad(loss_fn, has_aux=True)(state.params, micro_batch)
-      state = state.apply_gradients(grads=grads, weight=n)
+      state = _linen_micro_step(loss_fn, state, micro_batch)
     learning_rate = optax_accum.get_hyperparams(state.opt_state)["learning_rate"]
     assert list(learning_rate) == ["body", "head"]
     np.testing.assert_allclose(learning_rate["body"], body_lr(update), rtol=1e-6)
@@ -257,7 +281,7 @@ def test_linen_multi_transform_reports_every_groups_learning_rate():
 def test_hugging_face_style_losses_with_window_mean():
   """Item 5: losses summed and divided by the window's known token total."""
   batches = make_batches(UPDATES)
-  whole, _, whole_losses = _nnx_whole_batch(_adamw(), batches)
+  whole, _, whole_losses = _adamw_reference("nnx")
 
   model = MLP(nnx.Rngs(0))
   opt = optax_accum.MultiSteps(_adamw(), K, grad_reduction="window_mean")
@@ -284,9 +308,9 @@ def test_hugging_face_style_losses_with_window_mean():
 
 def test_hugging_face_style_metrics_in_the_train_step():
   """Item 5: the ready-made step's loss metric is the window's, not k times it."""
-  model, params, loss_fn = linen_mlp()
+  model, params, _ = linen_mlp()
   batches = make_batches(UPDATES)
-  whole, _, whole_losses = _whole_batch(loss_fn, params, _adamw(), batches)
+  whole, _, whole_losses = _adamw_reference("linen")
 
   def share_of_window_mean(params, batch):
     logits = model.apply({"params": params}, batch["x"])
@@ -310,7 +334,7 @@ def test_hugging_face_style_metrics_in_the_train_step():
 def test_nnx_step_counts_updates():
   """Item 7: `optax_accum.flax.Optimizer.step` counts updates; nnx's counts calls."""
   batches = make_batches(UPDATES)
-  whole, _, _ = _nnx_whole_batch(_adamw(), batches)
+  whole, _, _ = _adamw_reference("nnx")
 
   def run(optimizer_type):
     model = MLP(nnx.Rngs(0))
@@ -438,8 +462,7 @@ def test_linen_schedule_free_eval_params_through_multi_steps():
   )
   for batch in batches:
     for micro_batch in micro_batches(batch):
-      grads, n = jax.grad(loss_fn, has_aux=True)(state.params, micro_batch)
-      state = state.apply_gradients(grads=grads, weight=n)
+      state = _linen_micro_step(loss_fn, state, micro_batch)
   eval_params = optax_accum.schedule_free_eval_params(state.opt_state, state.params)
   assert rel(eval_params, whole_eval) <= 1e-5
   assert rel(eval_params, state.params) > 1e-3  # Not the training params.

@@ -54,13 +54,29 @@ def _step_input(batch, mode, mesh):
   return _placed(batch, mesh, P("data"))
 
 
+@functools.cache
 def _windows_and_whole(n):
   """``n`` uneven batches (one window each), the starting params, and the
-  params of whole-batch AdamW after them: the oracle every recipe must match."""
-  batches = [_uneven_batch(seed=i) for i in range(n)]
+  params of whole-batch AdamW after them: the oracle every recipe must match.
+  Computed once per ``n`` (nothing here is changed by the tests)."""
+  batches = tuple(_uneven_batch(seed=i) for i in range(n))
   params0 = toy_lm.init_params(seed=0)
   whole, _, _ = toy_lm.whole_batch_run(params0, batches, _adamw())
   return batches, params0, whole
+
+
+@functools.cache
+def _adamw_opt():
+  return optax_accum.MultiSteps(_adamw(), K)
+
+
+@functools.cache
+def _adamw_step(mode="stream", axis_name=None):
+  """The AdamW train step of ``mode`` that several tests use, built once: a
+  script builds its step once too. Its programs compile once per layout."""
+  return optax_accum.make_train_step(
+    toy_lm.mean_loss, _adamw_opt(), mode=mode, axis_name=axis_name
+  )
 
 
 def _run(step, mode, params, state, batches, mesh):
@@ -74,8 +90,7 @@ def _run(step, mode, params, state, batches, mesh):
 def test_plain_jit_with_axis_name_reduces_once_per_window(mode):
   mesh = _mesh()
   batches, params0, whole = _windows_and_whole(3)
-  opt = optax_accum.MultiSteps(_adamw(), K)
-  step = optax_accum.make_train_step(toy_lm.mean_loss, opt, mode=mode, axis_name="data")
+  opt, step = _adamw_opt(), _adamw_step(mode, axis_name="data")
   params = _placed(params0, mesh, P())
   params, state, metrics = _run(step, mode, params, opt.init(params), batches, mesh)
   assert int(metrics["update_count"]) == 3
@@ -102,9 +117,9 @@ def test_without_axis_name_jit_reduces_every_micro_batch():
   micro-batch's gradient (k reductions per window), inside the scan too."""
   mesh = _mesh()
   params = _placed(toy_lm.init_params(seed=0), mesh, P())
-  opt = optax_accum.MultiSteps(_adamw(), K)
+  opt = _adamw_opt()
   for mode in ("stream", "scan"):
-    step = optax_accum.make_train_step(toy_lm.mean_loss, opt, mode=mode)
+    step = _adamw_step(mode)
     batch = _step_input(_uneven_batch(seed=0), mode, mesh)
     programs = ["update", "accumulate"] if mode == "stream" else ["update"]
     for program in programs:
@@ -145,10 +160,10 @@ def test_accumulator_memory_per_device_does_not_grow():
   mesh = _mesh()
   params = _placed(toy_lm.init_params(seed=0), mesh, P())
   batch = _step_input(toy_lm.split(_uneven_batch(seed=0), K)[0], "stream", mesh)
-  opt = optax_accum.MultiSteps(_adamw(), K)
+  opt = _adamw_opt()
   sizes = {}
   for axis_name in (None, "data"):
-    step = optax_accum.make_train_step(toy_lm.mean_loss, opt, axis_name=axis_name)
+    step = _adamw_step(axis_name=axis_name)
     lowered = step.lower(params, opt.init(params), batch, program="accumulate")
     memory = lowered.compile().memory_analysis()
     sizes[axis_name] = memory.argument_size_in_bytes, memory.temp_size_in_bytes
@@ -211,9 +226,8 @@ def test_partial_sums_resume_on_another_layout():
   mesh4 = jax.make_mesh((4,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:4])
   batches, params0, whole = _windows_and_whole(2)
   micro_batches = [mb for b in batches for mb in toy_lm.split(b, K)]
-  opt = optax_accum.MultiSteps(_adamw(), K)
-  sharded = optax_accum.make_train_step(toy_lm.mean_loss, opt, axis_name="data")
-  single = optax_accum.make_train_step(toy_lm.mean_loss, opt)
+  opt = _adamw_opt()
+  sharded, single = _adamw_step(axis_name="data"), _adamw_step()
   params = _placed(params0, mesh8, P())
   state = opt.init(params)
   for i, micro_batch in enumerate(micro_batches):
@@ -378,6 +392,7 @@ def _row_keyed_loss(base):
   return loss_fn
 
 
+@pytest.mark.slow
 def test_row_keyed_dropout_matches_across_recipes():
   mesh = _mesh()
   batches = []

@@ -21,6 +21,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axis_name", [None, "data"])
 def test_two_processes_match_the_single_process_run(tmp_path, axis_name):
   out = tmp_path / "params.npz"

@@ -5,6 +5,8 @@ splits ``nnx.Param`` from the rest (``...``), merges a copy inside the loss and
 reseeds its dropout stream with the key the step gives each micro-batch.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,6 +102,14 @@ def _per_row_loss(graphdef, rest, dropout=True):
   return loss_fn
 
 
+@functools.cache
+def _whole_batch_params(dropout):
+  """The whole-batch params with per-sequence dropout keys (or none), computed
+  once for both modes."""
+  graphdef, params, rest = _split_model()
+  return _whole_batch(_per_row_loss(graphdef, rest, dropout=dropout), params)
+
+
 def _whole_batch(loss_fn, params):
   """The reference: plain optax, one AdamW update per whole batch."""
 
@@ -119,10 +129,8 @@ def _whole_batch(loss_fn, params):
 def test_dropout_with_per_sequence_keys_matches_the_whole_batch(mode):
   graphdef, params, rest = _split_model()
   loss_fn = _per_row_loss(graphdef, rest)
-  want = _whole_batch(loss_fn, jax.tree.map(jnp.copy, params))
-  without_dropout = _whole_batch(
-    _per_row_loss(graphdef, rest, dropout=False), jax.tree.map(jnp.copy, params)
-  )
+  want = _whole_batch_params(dropout=True)
+  without_dropout = _whole_batch_params(dropout=False)
 
   opt = optax_accum.MultiSteps(ADAMW, K)
   step = optax_accum.make_train_step(loss_fn, opt, mode=mode)
@@ -155,10 +163,18 @@ def _recipe_loss(graphdef, rest):
   return loss_fn
 
 
-def _train(mode, key_for_call):
-  graphdef, params, rest = _split_model()
+@functools.cache
+def _recipe_step(mode):
+  """One step per mode, as a training script builds it once: the runs below
+  differ only in the keys they pass."""
+  graphdef, _, rest = _split_model()
   opt = optax_accum.MultiSteps(ADAMW, K)
-  step = optax_accum.make_train_step(_recipe_loss(graphdef, rest), opt, mode=mode)
+  return opt, optax_accum.make_train_step(_recipe_loss(graphdef, rest), opt, mode=mode)
+
+
+def _train(mode, key_for_call):
+  _, params, _ = _split_model()
+  opt, step = _recipe_step(mode)
   state = opt.init(params)
   call = 0
   for batch in _batches():

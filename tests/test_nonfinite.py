@@ -1,5 +1,7 @@
 """Non-finite gradients: skip the micro-batch or the whole window, and count it."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -15,15 +17,22 @@ AUTO = jax.sharding.AxisType.Auto
 POLICIES = ["skip_window", "skip_micro_batch"]
 
 
-def _stream(windows: int = 3):
-  """``windows`` windows of K micro-batches with their gradients and weights."""
+@functools.cache
+def _three_windows():
   params = toy_lm.init_params(seed=0)
+  grad = jax.jit(functools.partial(toy_lm.grad_and_weight, toy_lm.mean_loss))
   stream = []
-  for w in range(windows):
+  for w in range(3):
     for mb in toy_lm.split(toy_lm.make_batch(seed=w), K):
-      grads, weight = toy_lm.grad_and_weight(toy_lm.mean_loss, params, mb)
-      stream.append((grads, weight))
-  return params, stream
+      stream.append(grad(params, mb))
+  return params, tuple(stream)
+
+
+def _stream(windows: int = 3):
+  """``windows`` (up to 3) windows of K micro-batches with their gradients and
+  weights: computed once, shared by the tests (the arrays are immutable)."""
+  params, stream = _three_windows()
+  return params, stream[: windows * K]
 
 
 def _poison(grads, value):
@@ -72,12 +81,13 @@ def test_skip_micro_batch_keeps_the_rest_of_the_window(where):
     optax.identity(), K, on_nonfinite="skip_micro_batch", use_grad_mean=True
   )
   state = opt.init(params)
+  step = jax.jit(opt.update)
   for i, (grads, weight) in enumerate(stream):
     loss = jnp.float32(1.0)
     if i == 2:
       grads = _poison(grads, jnp.nan) if where == "grads" else grads
       loss = jnp.float32(jnp.nan) if where == "loss" else loss
-    out, state = jax.jit(opt.update)(grads, state, weight=weight, loss=loss)
+    out, state = step(grads, state, weight=weight, loss=loss)
   assert bool(state.updated)
   assert int(state.skipped_micro_batches) == 1 and int(state.skipped_windows) == 0
   kept = [s for i, s in enumerate(stream) if i != 2]
@@ -124,8 +134,9 @@ def test_a_window_gradient_that_overflows_float16_params_is_skipped(how):
   state = opt.init(params)
   grads = {"w": jnp.full(2, 30.0, jnp.float16)}
   if how == "update":
+    step = jax.jit(opt.update)
     for _ in range(k):
-      updates, state = jax.jit(opt.update)(grads, state, params, weight=1000.0)
+      updates, state = step(grads, state, params, weight=1000.0)
     params = optax.apply_updates(params, updates)
   else:
 

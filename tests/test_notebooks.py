@@ -13,6 +13,7 @@ def test_there_are_notebooks():
   assert NOTEBOOKS
 
 
+@pytest.mark.slow  # A kernel each: 9 to 70 s of CPU.
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path):
   notebook = nbformat.read(path, as_version=4)

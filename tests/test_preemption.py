@@ -20,6 +20,7 @@ import time
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
 import optax_accum
 
@@ -83,6 +84,7 @@ def kill_after_checkpoint(process: subprocess.Popen, workdir: pathlib.Path) -> N
   assert process.wait(timeout=TIMEOUT) == -signal.SIGKILL, output(workdir)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_window_and_restart_is_bit_identical(tmp_path):
   reference_dir, run_dir = tmp_path / "reference", tmp_path / "preempted"
   processes = [start(reference_dir), start(run_dir, "--sleep", "0.5")]

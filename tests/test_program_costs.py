@@ -27,6 +27,7 @@ def _recorded():
   _recorded()["jax"] != jax.__version__,
   reason="figures recorded with another jax version: XLA's own figures differ",
 )
+@pytest.mark.slow
 @pytest.mark.parametrize("config", program_costs.CONFIGS, ids=lambda c: str(c))
 def test_programs_do_no_more_work_than_recorded(config):
   recorded = _recorded()["programs"][program_costs.key(*config)]

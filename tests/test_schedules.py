@@ -93,9 +93,10 @@ def test_schedule_chained_after_accumulation_over_steps_by_k():
   adapted = optax_accum.MultiSteps(_sgd(optax_accum.progress_schedule(SCHEDULE)), k)
   naive_state, adapted_state = naive.init(jnp.zeros(1)), adapted.init(jnp.zeros(1))
   naive_lrs, adapted_lrs = [], []
+  naive_update, adapted_update = jax.jit(naive.update), jax.jit(adapted.update)
   for i in range(3 * k):
-    naive_out, naive_state = naive.update(jnp.ones(1), naive_state, weight=1)
-    adapted_out, adapted_state = adapted.update(jnp.ones(1), adapted_state, weight=1)
+    naive_out, naive_state = naive_update(jnp.ones(1), naive_state, weight=1)
+    adapted_out, adapted_state = adapted_update(jnp.ones(1), adapted_state, weight=1)
     if i % k == k - 1:
       naive_lrs.append(float(naive_out[0]))
       adapted_lrs.append(-float(adapted_out[0]))
