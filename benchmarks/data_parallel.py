@@ -3,7 +3,8 @@
 Run with ``python -m benchmarks.data_parallel`` (``make bench`` runs it after
 ``benchmarks.accumulation``). For each recipe of the README's data-parallel
 section and each ``k``, on an MLP regressor whose batch is split over 8 CPU
-devices:
+devices of a mesh as ``jax.make_mesh`` makes it (Explicit axes; "Auto mesh":
+the axis Auto, jax's default before 0.7):
 
 - the bytes all collectives move per window, read from the compiled programs'
   HLO (deterministic): a streaming window runs the accumulate program ``k - 1``
@@ -42,9 +43,11 @@ from optax_accum._hlo import collectives
 
 RECIPES = (
   "jit",
+  "jit, Auto mesh",
   "jit, axis_name",
   "shard_map, axis_name",
   "jit scan",
+  "jit scan, Auto mesh",
   "jit scan, axis_name",
   "shard_map scan, axis_name",
 )
@@ -69,7 +72,10 @@ def _window_bytes(lowered: dict[str, Any], k: int, in_graph: bool) -> int:
 def bench(
   recipe: str, k: int, width: int, depth: int, rows: int, rounds: _Rounds, windows: int
 ) -> dict[str, Any]:
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  # jax.make_mesh's default axes are Explicit (where plain jit reduces once
+  # per window); before jax 0.7 they were Auto.
+  kind = jax.sharding.AxisType.Auto if "Auto" in recipe else None
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,) if kind else None)
   model = mlp(width, depth, rows)
   params0, loss_fn = model["params"], model["loss_fn"]
   param_bytes = sum(x.nbytes for x in jax.tree.leaves(params0))

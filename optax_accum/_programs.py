@@ -130,8 +130,7 @@ class Programs:
       if axes:
         key = jax.random.fold_in(key, _reduction.replica_index(axes))
       args = (batch, key)
-    if axes:
-      params = self._per_replica(params)
+    params = self.reduction.cast_params(params)
 
     if self.config.terms is not None:
       return self._term_grads(params, args)
@@ -200,26 +199,6 @@ class Programs:
     want = "(loss, (weight, aux))" if self.has_aux else "(loss, weight)"
     return f"`loss_fn` must return {want} with has_aux={self.has_aux}, {got}."
 
-  def _per_replica(self, params: Any) -> Any:
-    """``params`` typed as differing per replica, so their gradients stay
-    each replica's own (inside ``shard_map`` JAX would otherwise sum them
-    before the per-replica weights apply)."""
-    if not getattr(self.reduction, "typed", False):
-      return params
-    for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
-      sharded = set(_reduction.varying_axes(p)) & set(self.reduction.axes)
-      if sharded:
-        raise ValueError(
-          f"params{jax.tree_util.keystr(path)} differs per replica over mesh axis "
-          f"{sorted(sharded)[0]!r}, the data axis `axis_name` sums over: params "
-          "sharded over the data axis (FSDP, ZeRO) would have their gradients "
-          "summed twice. Pass params replicated over it (in_specs P() or P over "
-          "a model axis only), or shard them over the data axis under plain jit "
-          "without axis_name, where XLA reduce-scatters each micro-batch's "
-          "gradient."
-        )
-    return jax.tree.map(self.reduction.own, params)
-
   def _add(
     self, params: Any, state: MultiStepsState, batch: Any, rng: Any, reduction: Any
   ) -> tuple[MultiStepsState, jax.Array, Any, Any]:
@@ -280,7 +259,7 @@ class Programs:
     """
     _check_leading_axis(batch)
     axes, partial = self.reduction.axes, self.reduction.at_window_end
-    loop = _reduction.policy(axes or None, at_window_end=True)
+    loop = self.reduction.per_window()
     start = acc if partial or not axes else jax.tree.map(_own_zeros(loop), acc)
 
     def body(state: MultiStepsState, micro_batch: Any) -> Any:

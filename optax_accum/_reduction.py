@@ -10,6 +10,10 @@ The caller builds the policy and passes it to the window arithmetic
   caller passes is that replica's own. ``at_window_end=True`` keeps gradients
   per replica until the window ends (one reduction per window); otherwise
   they are summed as they are added.
+- :class:`Deferred`: under plain ``jit`` on an ``Explicit`` mesh, values are
+  global as with :class:`Local`, but the gradients of the params it casts to
+  JAX's ``reduced`` type come out ``unreduced`` (each device's partial sum
+  over the data axes) and stay so until the window ends.
 
 One fact comes from JAX rather than from the caller: under ``shard_map``
 with ``check_vma=True`` a gradient of params that entered the map replicated
@@ -26,6 +30,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from optax_accum import _checks
 
@@ -44,6 +50,12 @@ def varying_over(x: Any, axes: Any) -> jax.Array:
   """
   missing = tuple(sorted(set(axes) - varying_axes(x)))
   return jax.lax.pcast(x, missing, to="varying") if missing else jnp.asarray(x)
+
+
+def unreduced_axes(x: Any) -> frozenset[str]:
+  """The mesh axes over which ``x`` holds partial sums (JAX's ``unreduced``)."""
+  spec = getattr(jax.typeof(x).sharding, "spec", None)
+  return frozenset(getattr(spec, "unreduced", ()))
 
 
 def _any_over(flag: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -94,6 +106,15 @@ class Local:
   def agree(self, tree: Any) -> Any:
     """``tree`` the same on every replica (no-op without replicas)."""
     return tree
+
+  def cast_params(self, params: Any) -> Any:
+    """``params`` typed so that their gradients come out as this policy adds
+    them (as they are here)."""
+    return params
+
+  def per_window(self) -> Local:
+    """This policy, keeping partial sums until the window ends (a scan's)."""
+    return self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +182,29 @@ class Replicas(Local):
       return acc
     return jax.tree.map(lambda a: jax.lax.psum(a, self.axes), acc)
 
+  def per_window(self) -> Local:
+    return Replicas(self.axes, at_window_end=True)
+
+  def cast_params(self, params: Any) -> Any:
+    """``params`` typed as differing per replica, so their gradients stay
+    each replica's own (inside ``shard_map`` JAX would otherwise sum them
+    before the per-replica weights apply)."""
+    if not self.typed:
+      return params
+    for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+      sharded = set(varying_axes(p)) & set(self.axes)
+      if sharded:
+        raise ValueError(
+          f"params{jax.tree_util.keystr(path)} differs per replica over mesh axis "
+          f"{sorted(sharded)[0]!r}, the data axis `axis_name` sums over: params "
+          "sharded over the data axis (FSDP, ZeRO) would have their gradients "
+          "summed twice. Pass params replicated over it (in_specs P() or P over "
+          "a model axis only), or shard them over the data axis under plain jit "
+          "without axis_name, where XLA reduce-scatters each micro-batch's "
+          "gradient."
+        )
+    return jax.tree.map(self.own, params)
+
   def agree(self, tree: Any) -> Any:
     """Each leaf's maximum over the replicas (for a bool: any)."""
 
@@ -174,6 +218,53 @@ class Replicas(Local):
       return jax.lax.pmax(x, axes)
 
     return jax.tree.map(combine, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Deferred(Local):
+  """Plain ``jit`` on an ``Explicit`` mesh, the batch's rows split over the
+  data axes ``over``: one gradient reduction per window, the loss still
+  seeing the global batch.
+
+  The params that ``leaves`` marks (one bool per params leaf, in tree order)
+  enter the gradient typed ``reduced`` over ``over``, so JAX leaves their
+  gradients ``unreduced``: each device's partial sum, added up across micro-
+  batches without communication and reduced once, in :meth:`window_gradient`.
+  The others' gradients are reduced as XLA computes them (ops such as a
+  gather from a ``reduced`` table have no ``reduced`` rule in JAX yet).
+  Weights, losses and every other value are global, as with :class:`Local`.
+  """
+
+  mesh: Any = None
+  over: tuple[str, ...] = ()
+  leaves: tuple[bool, ...] = ()
+  at_window_end: bool = True
+
+  def cast_params(self, params: Any) -> Any:
+    flat, treedef = jax.tree.flatten(params)
+    if len(flat) != len(self.leaves):
+      raise ValueError(
+        f"params have {len(flat)} leaves; this step's programs were built for "
+        f"{len(self.leaves)}."
+      )
+    pairs = zip(flat, self.leaves, strict=True)
+    cast = [self._reduced(p) if deferred else p for p, deferred in pairs]
+    return jax.tree.unflatten(treedef, cast)
+
+  def _reduced(self, p: jax.Array) -> jax.Array:
+    parts = getattr(jax.typeof(p).sharding, "spec", P()).partitions
+    return jax.reshard(p, NamedSharding(self.mesh, P(*parts, reduced=set(self.over))))
+
+  def window_gradient(self, acc: Any) -> Any:
+    """Each partial sum reduced: the window's one gradient reduction."""
+
+    def reduced(a: jax.Array) -> jax.Array:
+      if not unreduced_axes(a):
+        return a
+      parts = jax.typeof(a).sharding.spec.partitions
+      return jax.reshard(a, NamedSharding(self.mesh, P(*parts)))
+
+    return jax.tree.map(reduced, acc)
 
 
 def replica_index(axis_name: AxisName) -> jax.Array:

@@ -26,10 +26,17 @@ from optax_accum._reduction import AxisName
 
 
 class DataLayout(NamedTuple):
-  """The mesh and data-parallel axes a batch is sharded over."""
+  """The mesh and data-parallel axes a batch is sharded over.
+
+  ``deferred``: ``None`` for ``axis_name``'s layout (the loss sees each
+  replica's rows, in a ``shard_map``); else the global-view layout of
+  :mod:`optax_accum._deferred`, one bool per params leaf: whether its
+  gradient stays partial until the window ends.
+  """
 
   mesh: jax.sharding.Mesh
   axes: tuple[str, ...]
+  deferred: tuple[bool, ...] | None = None
 
   @property
   def replicas(self) -> int:

@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
 from jax.typing import ArrayLike
 
-from optax_accum import _checks, _reduction, _terms
+from optax_accum import _checks, _deferred, _reduction, _terms
 from optax_accum._multi_steps import EveryKSchedule, MultiSteps, MultiStepsState
 from optax_accum._programs import (
   Metrics,
@@ -180,6 +181,7 @@ class TrainStep:
       self._bodies.accumulate, donate_argnums=(1,) if donate else ()
     )
     self._sharded_programs: dict[DataLayout, tuple[Any, Any]] = {}
+    self._deferred_layouts: dict[Any, DataLayout | None] = {}
     self._known: _Known | None = None
 
   def __call__(
@@ -200,7 +202,7 @@ class TrainStep:
     if any(isinstance(x, jax.core.Tracer) for x in counts):  # No tree walk.
       opt_state, _ = self._arranged(params, opt_state, batch)
       return self._run_update(params, opt_state, batch, rng, end_window)
-    known, opt_state, hit = self._recalled(params, opt_state, batch)
+    known, opt_state, hit = self._recalled(params, opt_state, batch, rng)
     value, k = known.counts(opt_state, self.optimizer)
     ends = bool(end_window) or value + 1 >= k
     if ends:
@@ -232,7 +234,7 @@ class TrainStep:
     _check_scan_end_window(end_window)
     own = not isinstance(opt_state, MultiStepsState)
     state = self._around(params, opt_state) if own else opt_state
-    state, layout = self._arranged(params, state, batch)
+    state, layout = self._arranged(params, state, batch, rng)
     params, state, metrics_ = self._run_update(params, state, batch, rng, layout=layout)
     return params, state.inner_opt_state if own else state, metrics_
 
@@ -252,14 +254,14 @@ class TrainStep:
     return zeros._replace(**window._asdict(), inner_opt_state=inner)
 
   def _recalled(
-    self, params: Any, opt_state: MultiStepsState, batch: Any
+    self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
   ) -> tuple[_Known, MultiStepsState, bool]:
     """What the host knows of ``opt_state`` (read from the device where not),
     the state in this call's layout, and whether the step returned it last."""
     known = self._known
     hit = known is not None and known.describes(opt_state)
     if known is None or not hit:
-      opt_state, layout = self._arranged(params, opt_state, batch)
+      opt_state, layout = self._arranged(params, opt_state, batch, rng)
       known = _Known(
         opt_state.mini_step, opt_state.gradient_step, None, None, None, _UNKNOWN, layout
       )
@@ -302,7 +304,7 @@ class TrainStep:
     """
     if self.mode == "scan" and not isinstance(opt_state, MultiStepsState):
       opt_state = self._around(params, opt_state)
-    opt_state, layout = self._arranged(params, opt_state, batch)
+    opt_state, layout = self._arranged(params, opt_state, batch, rng)
     accumulate_program, update_program = self._programs(layout)
     split = (opt_state.inner_opt_state, opt_state.acc_grads, counters(opt_state))
     if program == "accumulate" and self.mode == "stream":
@@ -319,13 +321,14 @@ class TrainStep:
   # -- calling the programs ------------------------------------------------
 
   def _arranged(
-    self, params: Any, opt_state: MultiStepsState, batch: Any
+    self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any = None
   ) -> tuple[MultiStepsState, DataLayout | None]:
     """``opt_state`` with its accumulator in the layout this call runs with.
 
-    Under plain ``jit`` with ``axis_name`` (concrete arrays: not inside
-    ``shard_map``), the accumulator holds per-replica partial sums; anywhere
-    else one sum. Called for a state the step did not return last.
+    Under plain ``jit`` (concrete arrays: not inside ``shard_map``) with
+    ``axis_name``, or with a batch split over ``Explicit`` data axes, the
+    accumulator holds per-replica partial sums; anywhere else one sum.
+    Called for a state the step did not return last.
     """
     config = self.optimizer.config
     # One accumulator like params, or one per loss term.
@@ -334,23 +337,62 @@ class TrainStep:
     def rebuilt(accs: Any) -> MultiStepsState:
       return opt_state._replace(acc_grads=tuple(accs) if config.terms else accs[0])
 
-    if config.axis_name is None or _is_traced(params, opt_state, batch):
+    layout = None
+    if not _is_traced(params, opt_state, batch):
+      if config.axis_name is not None:
+        scan = self.mode == "scan"
+        layout = data_layout(config.axis_name, params, batch, scan=scan)
+      else:
+        layout = self._deferred_layout(params, opt_state, batch, rng)
+    if layout is None:
       if any(has_partial_sums(acc, params) for acc in accs):
         opt_state = rebuilt([summed(acc, params) for acc in accs])
       return opt_state, None
-    layout = data_layout(config.axis_name, params, batch, scan=self.mode == "scan")
     return rebuilt([per_replica(acc, params, layout) for acc in accs]), layout
+
+  def _deferred_layout(
+    self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
+  ) -> DataLayout | None:
+    """The layout that reduces gradients once per window without
+    ``axis_name`` (:mod:`optax_accum._deferred`), if this call allows one;
+    chosen once per shapes and shardings of the arguments."""
+    scan = self.mode == "scan"
+    layout = _deferred.candidate(params, batch, self.optimizer.config, scan=scan)
+    if layout is None:
+      return None
+    key = (layout, *map(_avals, (params, batch)), rng is None)
+    if key not in self._deferred_layouts:
+      acc = _stacked_like(self.optimizer, params, layout)
+      micro_batch = _deferred.micro_batch_like(batch) if scan else batch
+      args = (params, acc, counters(opt_state), micro_batch, rng)
+
+      def fits(chosen: DataLayout) -> bool:
+        bodies = self._bodies_for(_deferred.policy(chosen))
+        try:
+          jax.eval_shape(_deferred.accumulate_program(chosen, bodies), *args)
+        except Exception:  # A cast JAX has no rule for: that leaf stays.
+          return False
+        return True
+
+      self._deferred_layouts[key] = _deferred.choose_leaves(layout, fits, params)
+    return self._deferred_layouts[key]
+
+  def _bodies_for(self, policy: _reduction.Local) -> Programs:
+    return Programs(self.loss_fn, self.optimizer, self.has_aux, policy)
 
   def _programs(self, layout: DataLayout | None) -> tuple[Any, Any]:
     """The accumulate and update programs for one accumulator layout."""
     if layout is None:
       return self.accumulate_program, self.update_program
     if layout not in self._sharded_programs:
-      policy = _reduction.policy(layout.axes, at_window_end=True)
-      bodies = Programs(self.loss_fn, self.optimizer, self.has_aux, policy)
-      self._sharded_programs[layout] = sharded_programs(
-        layout, bodies, scan=self.mode == "scan", donate=self.donate
-      )
+      scan = self.mode == "scan"
+      if layout.deferred is not None:
+        bodies = self._bodies_for(_deferred.policy(layout))
+        built = _deferred.programs(layout, bodies, scan=scan, donate=self.donate)
+      else:
+        bodies = self._bodies_for(_reduction.policy(layout.axes, at_window_end=True))
+        built = sharded_programs(layout, bodies, scan=scan, donate=self.donate)
+      self._sharded_programs[layout] = built
     return self._sharded_programs[layout]
 
   def _run_update(
@@ -400,6 +442,28 @@ class TrainStep:
     if self.has_aux:
       out["aux"] = aux
     return params, state, out
+
+
+def _avals(tree: Any) -> tuple[Any, ...]:
+  """What a jit cache sees of ``tree``: structure, shapes, dtypes, shardings."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple(
+    (jnp.shape(x), jnp.result_type(x), getattr(x, "sharding", None)) for x in leaves
+  )
+
+
+def _stacked_like(optimizer: MultiSteps, params: Any, layout: DataLayout) -> Any:
+  """Shapes of the accumulator in ``layout`` (per-replica partial sums)."""
+  acc = jax.eval_shape(optimizer.init, params).acc_grads
+  trees = acc if optimizer.config.terms else (acc,)
+
+  def stacked(a: Any, p: Any) -> jax.ShapeDtypeStruct:
+    spec = tuple(p.sharding.spec) + (None,) * (jnp.ndim(p) - len(p.sharding.spec))
+    sharding = NamedSharding(layout.mesh, layout.spec(*spec))
+    return jax.ShapeDtypeStruct((layout.replicas, *a.shape), a.dtype, sharding=sharding)
+
+  out = tuple(jax.tree.map(stacked, tree, params) for tree in trees)
+  return out if optimizer.config.terms else out[0]
 
 
 def _accumulator(

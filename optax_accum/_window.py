@@ -30,6 +30,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike, DTypeLike
 
 from optax_accum import _checks
@@ -137,6 +139,22 @@ def _wider(a: Any, b: Any) -> Any:
   return a if jnp.dtype(a).itemsize >= jnp.dtype(b).itemsize else b
 
 
+def _times(x: jax.Array, factor: jax.Array) -> jax.Array:
+  """``x * factor`` for a scalar ``factor`` the same on every device.
+
+  Partial sums (a gradient JAX left ``unreduced`` over some mesh axes: see
+  ``_reduction.Deferred``) scale by a factor typed ``reduced`` over the same
+  axes, a cast that moves nothing.
+  """
+  sharding = jax.typeof(x).sharding
+  spec = getattr(sharding, "spec", None)
+  axes: frozenset[str] = getattr(spec, "unreduced", frozenset())
+  if axes:
+    reduced = NamedSharding(sharding.mesh, P(reduced=set(axes)))
+    factor = jax.reshard(factor, reduced)
+  return x * factor
+
+
 def _weighted(
   x: Any,
   dtype: Any,
@@ -151,7 +169,7 @@ def _weighted(
   70000 into inf."""
   x = jnp.asarray(x).astype(_wider(dtype, kept.weight.dtype))
   if not reduction.summed_already(x):
-    x = x * kept.weight.astype(x.dtype) if weigh else x
+    x = _times(x, kept.weight.astype(x.dtype)) if weigh else x
     return jnp.where(kept.adds, x, jnp.zeros_like(x))
   if weigh:
     raise ValueError(

@@ -1,11 +1,16 @@
 """One of the two processes that `test_multihost.py` starts.
 
-Usage: python multihost_worker.py PORT PROCESS_ID OUT.npz [AXIS_NAME]. Each
+Usage: python multihost_worker.py PORT PROCESS_ID OUT.npz RECIPE. Each
 process owns 2 CPU devices and feeds only its own half of every micro-batch;
-process 0 writes the final params. With AXIS_NAME the step keeps per-replica
-partial sums and reduces once per window.
+process 0 writes the final params. RECIPE: "auto" (plain jit on an Auto mesh:
+XLA reduces every micro-batch's gradient), "axis_name" (per-replica partial
+sums, one reduction per window) or "explicit" (plain jit on the Explicit mesh
+`jax.make_mesh` makes: the loss sees the global batch, and the gradient
+stays each device's partial sum until the window ends).
 """
 
+import contextlib
+import functools
 import sys
 
 import jax
@@ -19,13 +24,14 @@ import optax_accum
 K, UPDATES = 2, 5
 
 
-def main(port: str, process_id: int, out: str, axis_name: str | None) -> None:
+def main(port: str, process_id: int, out: str, recipe: str) -> None:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
     coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id
   )
   assert jax.process_count() == 2 and jax.device_count() == 4, jax.devices()
-  mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  auto = (jax.sharding.AxisType.Auto,) if recipe != "explicit" else None
+  mesh = jax.make_mesh((4,), ("data",), axis_types=auto)
   data, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
 
   def own_half(micro_batch):
@@ -43,13 +49,23 @@ def main(port: str, process_id: int, out: str, axis_name: str | None) -> None:
   )
   opt = optax_accum.MultiSteps(toy_lm.adamw_with_schedule(), K)
   state = jax.jit(opt.init, out_shardings=replicated)(params)
-  step = optax_accum.make_train_step(toy_lm.mean_loss, opt, axis_name=axis_name)
-  for update in range(UPDATES):
-    batch = toy_lm.make_batch(seed=100 + update, batch=32)
-    for micro_batch in toy_lm.split(batch, K):
-      params, state, metrics = step(params, state, own_half(micro_batch))
-      tokens, updated = float(metrics["weight"]), bool(metrics["updated"])
-      print(f"process {process_id}: tokens {tokens} updated {updated}", flush=True)
+  loss_fn = toy_lm.mean_loss
+  if recipe == "explicit":  # The lookup's rows stay where the token ids are.
+    loss_fn = functools.partial(loss_fn, rows=P("data", None, None))
+  axis_name = "data" if recipe == "axis_name" else None
+  step = optax_accum.make_train_step(loss_fn, opt, axis_name=axis_name)
+  explicit = recipe == "explicit"
+  with jax.set_mesh(mesh) if explicit else contextlib.nullcontext():
+    for update in range(UPDATES):
+      batch = toy_lm.make_batch(seed=100 + update, batch=32)
+      for micro_batch in toy_lm.split(batch, K):
+        params, state, metrics = step(params, state, own_half(micro_batch))
+        tokens, updated = float(metrics["weight"]), bool(metrics["updated"])
+        print(f"process {process_id}: tokens {tokens} updated {updated}", flush=True)
+  if explicit:  # Each device's partial sum: a leading axis of replicas.
+    assert state.acc_grads["head"]["w"].shape[0] == 4, state.acc_grads["head"][
+      "w"
+    ].shape
 
   if process_id == 0:
     local = jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), params)
@@ -59,4 +75,4 @@ def main(port: str, process_id: int, out: str, axis_name: str | None) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1], int(sys.argv[2]), sys.argv[3], (sys.argv[4:] or [None])[0])
+  main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])

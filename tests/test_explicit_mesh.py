@@ -169,30 +169,49 @@ def test_explicit_mesh_matches_the_whole_batch(run, whole):
 
 def test_accumulator_and_params_keep_the_model_split(run):
   """Params and AdamW's moments stay split like the params; the accumulator
-  too, after a leading replica axis split over `data` with `axis_name`."""
+  too, after a leading replica axis split over `data`: each device's partial
+  sum, with `axis_name` and without (issue 25, item 1)."""
   specs = _param_specs(run.mesh_name)
   adam = run.state.inner_opt_state[0]
   for name, spec in specs.items():
     for tree in (run.params, adam.mu, adam.nu):
       assert tree[name].sharding.spec == spec, name
     acc = run.state.acc_grads[name]
-    want = NamedSharding(run.mesh, P("data", *spec) if run.axis_name else spec)
+    want = NamedSharding(run.mesh, P("data", *spec))
     assert acc.sharding.is_equivalent_to(want, acc.ndim), (name, acc.sharding)
 
 
-@pytest.mark.parametrize("mode", ["stream", "scan"])
-def test_the_axis_name_step_on_an_explicit_mesh_reduces_once_per_window(mode):
-  """Read from the compiled programs, 1-D mesh: no gradient-sized collective
-  while accumulating, one all-reduce when the window ends, after the loop."""
-  run = _trained("1d", "data", mode)
+@pytest.mark.parametrize(
+  ("mesh_name", "axis_name", "mode"),
+  [
+    (m, a, mode)
+    for m, a in [("1d", "data"), ("1d", None), ("2d", None)]
+    for mode in ("stream", "scan")
+  ],
+)
+def test_an_explicit_mesh_reduces_gradients_once_per_window(mesh_name, axis_name, mode):
+  """Read from the compiled programs: while accumulating no collective over
+  `data` the size of a gradient, and one all-reduce of the params' (or each
+  model shard's) bytes when the window ends, after the scan's loop. Without
+  `axis_name` too (issue 25, item 1): the loss sees the global batch and its
+  gradient stays each device's partial sum until then. On the 2-D mesh the
+  row-parallel matmul sums its activations over `model`, in the loop too:
+  the model's own collective, which the test tells apart by its size."""
+  run = _trained(mesh_name, axis_name, mode)
   call = _window_input(_batches()[0], mode, run.mesh)[0]
+  params = sum(x.nbytes for x in jax.tree.leaves(_params()))
+  shard = params // (2 if mesh_name == "2d" else 1)
+  activations = ROWS // 4 * LENGTH * 4 * 4  # Per device: rows, length, 4 logits.
 
   def gradient_sized(program):
-    lowered = run.step.lower(run.params, run.state, call, program=program)
-    return [c for c in collectives(lowered.compile().as_text()) if c.bytes > SCALARS]
+    with jax.set_mesh(run.mesh):
+      lowered = run.step.lower(run.params, run.state, call, program=program)
+    found = collectives(lowered.compile().as_text())
+    return [c for c in found if c.bytes > SCALARS and c.bytes != activations]
 
   update = gradient_sized("update")
   assert [(c.kind, c.in_loop) for c in update] == [("all-reduce", False)], update
+  assert 0 <= update[0].bytes - shard <= SCALARS, (update, shard)
   if mode == "stream":
     assert gradient_sized("accumulate") == []
 
@@ -235,3 +254,46 @@ def test_dp_x_tp_with_an_auto_model_axis_reduces_once_per_window():
   update = gradient_sized("update")
   assert [c.kind for c in update] == ["all-reduce"], update
   assert 0 <= update[0].bytes - half <= SCALARS, update  # With the window's totals.
+
+
+def _weighted_loss(weight):
+  """`_mlp_loss` with its weight as users write it: the valid tokens, a
+  Python constant, or a constant array."""
+
+  def loss_fn(params, batch):
+    loss, tokens = _mlp_loss(params, batch)
+    return loss, {"tokens": tokens, "python": 1.0, "array": jnp.ones(())}[weight]
+
+  return loss_fn
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+@pytest.mark.parametrize("weight", ["tokens", "python", "array"])
+def test_every_kind_of_weight_matches_one_device(weight, mode):
+  """Without `axis_name` the loss sees the global batch, so whatever its
+  weight, the 8 devices end where one device does with the same step (a
+  constant weight under `shard_map` once scaled updates by the replica
+  count). Each of the 8 devices keeps its own partial sum; a mesh of one
+  device has nothing to reduce and keeps one sum."""
+  loss_fn = _weighted_loss(weight)
+  ends = []
+  for mesh in (jax.make_mesh((8,), ("data",)), _one_device_mesh()):
+    opt = optax_accum.MultiSteps(_adamw(), K)
+    step = optax_accum.make_train_step(loss_fn, opt, mode=mode)
+    params = jax.device_put(_params(), NamedSharding(mesh, P(None, None)))
+    with jax.set_mesh(mesh):
+      state = jax.jit(opt.init)(params)
+      for batch in _batches():
+        for call in _window_input(batch, mode, mesh):
+          params, state, _ = step(params, state, call)
+    replicas = mesh.shape["data"]
+    assert state.acc_grads["out"].shape == ((replicas,) if replicas > 1 else ()) + (
+      8,
+      4,
+    )
+    ends.append(jax.device_get(params))
+  assert toy_lm.max_rel_diff(*ends) <= 1e-5
+
+
+def _one_device_mesh():
+  return jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])

@@ -22,8 +22,8 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("axis_name", [None, "data"])
-def test_two_processes_match_the_single_process_run(tmp_path, axis_name):
+@pytest.mark.parametrize("recipe", ["auto", "axis_name", "explicit"])
+def test_two_processes_match_the_single_process_run(tmp_path, recipe):
   out = tmp_path / "params.npz"
   env = dict(
     os.environ,
@@ -33,8 +33,7 @@ def test_two_processes_match_the_single_process_run(tmp_path, axis_name):
   port = _free_port()
   procs = [
     subprocess.Popen(
-      [sys.executable, str(WORKER), str(port), str(i), str(out)]
-      + ([axis_name] if axis_name else []),
+      [sys.executable, str(WORKER), str(port), str(i), str(out), recipe],
       env=env,
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,

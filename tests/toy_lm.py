@@ -47,10 +47,15 @@ def split(batch: dict[str, np.ndarray], k: int) -> list[dict[str, np.ndarray]]:
   return [{n: v[i::k] for n, v in batch.items()} for i in range(k)]
 
 
-def token_losses(params, batch) -> tuple[jax.Array, jax.Array]:
-  """Per-token cross-entropy and the float mask of valid tokens."""
+def token_losses(params, batch, rows=None) -> tuple[jax.Array, jax.Array]:
+  """Per-token cross-entropy and the float mask of valid tokens.
+
+  ``rows``: where the embedding lookup's result goes (its ``out_sharding``):
+  on an Explicit mesh with the batch split over it, JAX asks.
+  """
   dtype = params["embed"].dtype
-  hidden = jnp.tanh(params["embed"][batch["inputs"]])
+  embedded = params["embed"].at[batch["inputs"]].get(out_sharding=rows)
+  hidden = jnp.tanh(embedded)
   logits = hidden @ params["head"]["w"] + params["head"]["b"][None, None, :]
   if jnp.dtype(dtype).itemsize < 4:  # bf16 params: softmax in float32.
     logits = logits.astype(jnp.float32)
@@ -60,9 +65,9 @@ def token_losses(params, batch) -> tuple[jax.Array, jax.Array]:
   return nll * mask, mask
 
 
-def mean_loss(params, batch) -> tuple[jax.Array, jax.Array]:
+def mean_loss(params, batch, rows=None) -> tuple[jax.Array, jax.Array]:
   """Token-mean loss and the number of valid tokens: ``(loss, weight)``."""
-  losses, mask = token_losses(params, batch)
+  losses, mask = token_losses(params, batch, rows)
   weight = mask.sum()
   return losses.sum() / weight, weight
 
