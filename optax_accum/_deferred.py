@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from optax_accum._checks import axes as _axes
 from optax_accum._programs import Programs
-from optax_accum._reduction import Deferred, replica_index
+from optax_accum._reduction import Deferred
 from optax_accum._replicas import DataLayout
 from optax_accum._state import MultiStepsConfig
 
@@ -110,41 +110,28 @@ def _fitting(indices: list[int], fits: Callable[[list[int]], bool]) -> list[int]
   return left + right
 
 
-def _view(layout: DataLayout, stacked: Any, deferred: tuple[bool, ...]) -> Any:
-  """The accumulator as the programs add to it: partial sums typed
-  ``unreduced`` for deferred leaves (no data moves), sums elsewhere."""
-  leaves, treedef = jax.tree.flatten(stacked)
-  flags = deferred * (len(leaves) // max(len(deferred), 1))  # One tree per term.
-  out = []
-  for stack, partial in zip(leaves, flags, strict=True):
+def _view(layout: DataLayout, stacked: Any) -> Any:
+  """The accumulator as the programs add to it: each device's partial sum,
+  typed ``unreduced`` over the data axes (no data moves)."""
+
+  def view(stack: jax.Array) -> jax.Array:
     rest = jax.typeof(stack).sharding.spec.partitions[1:]
-    if partial:
-      unreduced = P(*rest, unreduced=set(layout.axes))
-      stack = _local(layout, lambda s: s[0], layout.spec(*rest), unreduced)(stack)
-    else:
-      stack = jnp.sum(stack, axis=0, dtype=stack.dtype)
-    out.append(stack)
-  return jax.tree.unflatten(treedef, out)
+    unreduced = P(*rest, unreduced=set(layout.axes))
+    return _local(layout, lambda s: s[0], layout.spec(*rest), unreduced)(stack)
+
+  return jax.tree.map(view, stacked)
 
 
-def _stacked(layout: DataLayout, view: Any) -> Any:
-  """The accumulator in its layout between calls: one partial sum per
-  replica; a sum goes to the first replica, zeros to the others."""
+def _stacked(layout: DataLayout, partial_sums: Any) -> Any:
+  """The accumulator in its layout between calls: the partial sums along a
+  leading axis of replicas (no data moves)."""
 
   def stack(x: jax.Array) -> jax.Array:
-    spec = jax.typeof(x).sharding.spec
-    rest = spec.partitions
-    if spec.unreduced:
-      unreduced = P(*rest, unreduced=set(layout.axes))
-      return _local(layout, lambda v: v[None], unreduced, layout.spec(*rest))(x)
+    rest = jax.typeof(x).sharding.spec.partitions
+    unreduced = P(*rest, unreduced=set(layout.axes))
+    return _local(layout, lambda v: v[None], unreduced, layout.spec(*rest))(x)
 
-    def first(v: jax.Array) -> jax.Array:
-      here = replica_index(layout.axes) == 0
-      return jnp.where(here, v, jnp.zeros_like(v))[None]
-
-    return _local(layout, first, P(*rest), layout.spec(*rest))(x)
-
-  return jax.tree.map(stack, view)
+  return jax.tree.map(stack, partial_sums)
 
 
 def _local(layout: DataLayout, fn: Callable[..., Any], in_spec: P, out_spec: P) -> Any:
@@ -157,11 +144,9 @@ def _local(layout: DataLayout, fn: Callable[..., Any], in_spec: P, out_spec: P) 
 
 def accumulate_program(layout: DataLayout, bodies: Programs) -> Callable[..., Any]:
   """The streaming accumulate body, the accumulator in its stacked layout."""
-  assert layout.deferred is not None
-  deferred = layout.deferred
 
   def accumulate(params: Any, acc: Any, counters: Any, batch: Any, rng: Any) -> Any:
-    view = _view(layout, acc, deferred)
+    view = _view(layout, acc)
     acc, counters, loss, grad_norm, aux = bodies.accumulate(
       params, view, counters, batch, rng
     )
@@ -174,12 +159,10 @@ def programs(
   layout: DataLayout, bodies: Programs, *, scan: bool, donate: bool
 ) -> tuple[Any, Any]:
   """The step's accumulate and update programs for a deferred layout."""
-  assert layout.deferred is not None
-  deferred = layout.deferred
   run = bodies.scan if scan else bodies.update
 
   def update(params: Any, inner: Any, acc: Any, counters: Any, *rest: Any) -> Any:
-    view = _view(layout, acc, deferred)
+    view = _view(layout, acc)
     params, inner, acc, counters, metrics = run(params, inner, view, counters, *rest)
     return params, inner, _stacked(layout, acc), counters, metrics
 

@@ -230,8 +230,9 @@ class Deferred(Local):
   enter the gradient typed ``reduced`` over ``over``, so JAX leaves their
   gradients ``unreduced``: each device's partial sum, added up across micro-
   batches without communication and reduced once, in :meth:`window_gradient`.
-  The others' gradients are reduced as XLA computes them (ops such as a
-  gather from a ``reduced`` table have no ``reduced`` rule in JAX yet).
+  The others' gradients are reduced as XLA computes them (an add of a
+  ``reduced`` param to data-split activations has no rule in JAX yet) and
+  join the partial sums on the first replica.
   Weights, losses and every other value are global, as with :class:`Local`.
   """
 
@@ -254,6 +255,25 @@ class Deferred(Local):
   def _reduced(self, p: jax.Array) -> jax.Array:
     parts = getattr(jax.typeof(p).sharding, "spec", P()).partitions
     return jax.reshard(p, NamedSharding(self.mesh, P(*parts, reduced=set(self.over))))
+
+  def gradient(self, x: jax.Array) -> jax.Array:
+    """``x`` as partial sums: itself if JAX left it so; a gradient XLA
+    summed already goes to the first replica (zeros on the others), so the
+    accumulator holds partial sums throughout, moving nothing."""
+    if unreduced_axes(x):
+      return x
+    parts = jax.typeof(x).sharding.spec.partitions
+
+    def first(v: jax.Array) -> jax.Array:
+      return jnp.where(replica_index(self.over) == 0, v, jnp.zeros_like(v))
+
+    return jax.shard_map(
+      first,
+      mesh=self.mesh,
+      in_specs=P(*parts),
+      out_specs=P(*parts, unreduced=set(self.over)),
+      check_vma=False,
+    )(x)
 
   def window_gradient(self, acc: Any) -> Any:
     """Each partial sum reduced: the window's one gradient reduction."""

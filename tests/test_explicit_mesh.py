@@ -297,3 +297,46 @@ def test_every_kind_of_weight_matches_one_device(weight, mode):
 
 def _one_device_mesh():
   return jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+
+
+def test_params_jax_cannot_type_reduced_keep_a_reduction_per_micro_batch():
+  """A bias and a learned position table meet activations split over `data`
+  in an add, which jax 0.10 refuses for a `reduced` operand: the first call's
+  tracing finds them (the table among the 2-D params it tries) and leaves
+  them to XLA's reduction per micro-batch; the two matmuls' gradients still
+  wait for the window's end, and the numbers are one device's."""
+  rng = np.random.default_rng(2)
+  params = {
+    "position": rng.normal(size=(LENGTH, 3)).astype(np.float32) / 4,
+    "hidden": rng.normal(size=(3, 8)).astype(np.float32),
+    "bias": np.zeros(8, np.float32),
+    "out": (rng.normal(size=(8, 4)) / 8**0.5).astype(np.float32),
+  }
+
+  def loss_fn(params, batch):
+    hidden = jnp.tanh((batch["x"] + params["position"][None]) @ params["hidden"])
+    logits = (hidden + params["bias"][None, None]) @ params["out"]
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return (nll * batch["mask"]).sum() / batch["mask"].sum(), batch["mask"].sum()
+
+  ends, micro_step = [], {}
+  for mesh in (jax.make_mesh((8,), ("data",)), _one_device_mesh()):
+    opt = optax_accum.MultiSteps(_adamw(), K)
+    step = optax_accum.make_train_step(loss_fn, opt)
+    placed = jax.device_put(params, NamedSharding(mesh, P()))
+    with jax.set_mesh(mesh):
+      state = jax.jit(opt.init)(placed)
+      for batch in _batches():
+        for call in _window_input(batch, "stream", mesh):
+          placed, state, _ = step(placed, state, call)
+      if mesh.size == 8:
+        text = step.lower(placed, state, call, program="accumulate").compile()
+        micro_step = collections.Counter(c.bytes for c in collectives(text.as_text()))
+    ends.append(jax.device_get(placed))
+  assert toy_lm.max_rel_diff(*ends) <= 1e-5
+  # Every micro-step: the position table and the bias, and a few scalars
+  # (XLA may combine them into one all-reduce); never a matmul weight.
+  sizes = {name: value.nbytes for name, value in params.items()}
+  summed = sum(size for size in micro_step.elements() if size > SCALARS)
+  extra = summed - sizes["position"] - sizes["bias"]
+  assert 0 <= extra < min(sizes["hidden"], sizes["out"]), (micro_step, sizes)
