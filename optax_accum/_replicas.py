@@ -169,6 +169,41 @@ def summed(acc: Any, params: Any) -> Any:
   return jax.tree.map(one_sum, acc, params)
 
 
+def mesh_of(*trees: Any) -> jax.sharding.Mesh | None:
+  """The mesh of the first leaf placed with a ``NamedSharding``, if any."""
+  for leaf in jax.tree.leaves(trees):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding) and isinstance(
+      sharding.mesh, jax.sharding.Mesh
+    ):
+      return sharding.mesh
+  return None
+
+
+def as_returned(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+  """``tree`` placed as the step's programs return it, so that the next call
+  finds the programs compiled: each spec spelled out to the array's rank
+  (``P()`` comes back as ``P(None, None)``: the same sharding, but another
+  key to ``jit``'s cache), without copying; an array on no mesh (counters
+  from ``opt.init``) replicated on ``mesh``.
+  """
+
+  def place(x: Any) -> Any:
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+      return x
+    sharding = x.sharding
+    if not isinstance(sharding, NamedSharding):
+      return jax.device_put(x, NamedSharding(mesh, P()))
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    if tuple(sharding.spec) == spec:
+      return x
+    full = NamedSharding(sharding.mesh, P(*spec, unreduced=sharding.spec.unreduced))
+    shards = [shard.data for shard in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, full, shards)
+
+  return jax.tree.map(place, tree)
+
+
 def has_partial_sums(acc: Any, params: Any) -> bool:
   """Whether ``acc`` holds per-replica partial sums."""
   return any(

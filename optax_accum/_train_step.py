@@ -31,8 +31,10 @@ from optax_accum._programs import (
 from optax_accum._reduction import AxisName
 from optax_accum._replicas import (
   DataLayout,
+  as_returned,
   data_layout,
   has_partial_sums,
+  mesh_of,
   per_replica,
   sharded_programs,
   summed,
@@ -200,9 +202,9 @@ class TrainStep:
       _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
     counts = (opt_state.mini_step, opt_state.gradient_step, end_window)
     if any(isinstance(x, jax.core.Tracer) for x in counts):  # No tree walk.
-      opt_state, _ = self._arranged(params, opt_state, batch)
+      params, opt_state, _ = self._arranged(params, opt_state, batch)
       return self._run_update(params, opt_state, batch, rng, end_window)
-    known, opt_state, hit = self._recalled(params, opt_state, batch, rng)
+    known, params, opt_state, hit = self._recalled(params, opt_state, batch, rng)
     value, k = known.counts(opt_state, self.optimizer)
     ends = bool(end_window) or value + 1 >= k
     if ends:
@@ -234,7 +236,7 @@ class TrainStep:
     _check_scan_end_window(end_window)
     own = not isinstance(opt_state, MultiStepsState)
     state = self._around(params, opt_state) if own else opt_state
-    state, layout = self._arranged(params, state, batch, rng)
+    params, state, layout = self._arranged(params, state, batch, rng)
     params, state, metrics_ = self._run_update(params, state, batch, rng, layout=layout)
     return params, state.inner_opt_state if own else state, metrics_
 
@@ -255,17 +257,18 @@ class TrainStep:
 
   def _recalled(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
-  ) -> tuple[_Known, MultiStepsState, bool]:
+  ) -> tuple[_Known, Any, MultiStepsState, bool]:
     """What the host knows of ``opt_state`` (read from the device where not),
-    the state in this call's layout, and whether the step returned it last."""
+    params and the state as this call runs with them, and whether the step
+    returned the state last."""
     known = self._known
     hit = known is not None and known.describes(opt_state)
     if known is None or not hit:
-      opt_state, layout = self._arranged(params, opt_state, batch, rng)
+      params, opt_state, layout = self._arranged(params, opt_state, batch, rng)
       known = _Known(
         opt_state.mini_step, opt_state.gradient_step, None, None, None, _UNKNOWN, layout
       )
-    return known, opt_state, hit
+    return known, params, opt_state, hit
 
   def _remember(self, known: _Known, out: StepOutput, ends: bool) -> None:
     """Keeps what the host knows of the state this call returns (``known``:
@@ -304,7 +307,7 @@ class TrainStep:
     """
     if self.mode == "scan" and not isinstance(opt_state, MultiStepsState):
       opt_state = self._around(params, opt_state)
-    opt_state, layout = self._arranged(params, opt_state, batch, rng)
+    params, opt_state, layout = self._arranged(params, opt_state, batch, rng)
     accumulate_program, update_program = self._programs(layout)
     split = (opt_state.inner_opt_state, opt_state.acc_grads, counters(opt_state))
     if program == "accumulate" and self.mode == "stream":
@@ -322,33 +325,48 @@ class TrainStep:
 
   def _arranged(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any = None
-  ) -> tuple[MultiStepsState, DataLayout | None]:
-    """``opt_state`` with its accumulator in the layout this call runs with.
+  ) -> tuple[Any, MultiStepsState, DataLayout | None]:
+    """Params and ``opt_state`` as this call runs with them: placed as the
+    programs return them (see :func:`as_returned`), the accumulator in this
+    call's layout.
 
     Under plain ``jit`` (concrete arrays: not inside ``shard_map``) with
     ``axis_name``, or with a batch split over ``Explicit`` data axes, the
     accumulator holds per-replica partial sums; anywhere else one sum.
     Called for a state the step did not return last.
     """
+    if _is_traced(params, opt_state, batch):
+      return params, self._summed(params, opt_state), None
+    mesh = mesh_of(params, batch)
+    if mesh is not None:
+      params, opt_state = as_returned((params, opt_state), mesh)
     config = self.optimizer.config
-    # One accumulator like params, or one per loss term.
-    accs = opt_state.acc_grads if config.terms else (opt_state.acc_grads,)
-
-    def rebuilt(accs: Any) -> MultiStepsState:
-      return opt_state._replace(acc_grads=tuple(accs) if config.terms else accs[0])
-
-    layout = None
-    if not _is_traced(params, opt_state, batch):
-      if config.axis_name is not None:
-        scan = self.mode == "scan"
-        layout = data_layout(config.axis_name, params, batch, scan=scan)
-      else:
-        layout = self._deferred_layout(params, opt_state, batch, rng)
+    layout: DataLayout | None
+    if config.axis_name is not None:
+      scan = self.mode == "scan"
+      layout = data_layout(config.axis_name, params, batch, scan=scan)
+    else:
+      layout = self._deferred_layout(params, opt_state, batch, rng)
     if layout is None:
-      if any(has_partial_sums(acc, params) for acc in accs):
-        opt_state = rebuilt([summed(acc, params) for acc in accs])
-      return opt_state, None
-    return rebuilt([per_replica(acc, params, layout) for acc in accs]), layout
+      return params, self._summed(params, opt_state), None
+    accs = [per_replica(acc, params, layout) for acc in self._accumulators(opt_state)]
+    return params, self._rebuilt(opt_state, accs), layout
+
+  def _accumulators(self, opt_state: MultiStepsState) -> Any:
+    """The state's accumulators: one like params, or one per loss term."""
+    acc = opt_state.acc_grads
+    return acc if self.optimizer.config.terms else (acc,)
+
+  def _rebuilt(self, opt_state: MultiStepsState, accs: Any) -> MultiStepsState:
+    acc = tuple(accs) if self.optimizer.config.terms else accs[0]
+    return opt_state._replace(acc_grads=acc)
+
+  def _summed(self, params: Any, opt_state: MultiStepsState) -> MultiStepsState:
+    """``opt_state`` with one sum: per-replica partial sums added up."""
+    accs = self._accumulators(opt_state)
+    if not any(has_partial_sums(acc, params) for acc in accs):
+      return opt_state
+    return self._rebuilt(opt_state, [summed(acc, params) for acc in accs])
 
   def _deferred_layout(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any

@@ -340,3 +340,39 @@ def test_params_jax_cannot_type_reduced_keep_a_reduction_per_micro_batch():
   summed = sum(size for size in micro_step.elements() if size > SCALARS)
   extra = summed - sizes["position"] - sizes["bias"]
   assert 0 <= extra < min(sizes["hidden"], sizes["out"]), (micro_step, sizes)
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+@pytest.mark.parametrize(
+  ("axis_type", "axis_name"),
+  [("explicit", None), ("explicit", "data"), ("auto", None), ("auto", "data")],
+)
+def test_each_program_compiles_once_on_a_mesh(axis_type, axis_name, mode, caplog):
+  """Params placed with `P()` came back from the first update as `P(None,
+  None)` (the same sharding, another key to jit's cache) and the counters
+  from `opt.init` on no mesh came back on it: every program compiled twice.
+  The step now places a state it did not return as its programs return it.
+  Fresh loss function and optimizer: no program of another test is reused."""
+  types = (jax.sharding.AxisType.Auto,) if axis_type == "auto" else None
+  mesh = jax.make_mesh((8,), ("data",), axis_types=types)
+
+  def loss_fn(params, batch):
+    return _mlp_loss(params, batch)
+
+  opt = optax_accum.MultiSteps(optax.adamw(1e-2), K)
+  step = optax_accum.make_train_step(loss_fn, opt, mode=mode, axis_name=axis_name)
+  params = jax.device_put(_params(), NamedSharding(mesh, P()))
+  state = opt.init(params)
+  caplog.clear()
+  with jax.set_mesh(mesh), caplog.at_level("WARNING"), jax.log_compiles(True):
+    for batch in _batches():
+      for call in _window_input(batch, mode, mesh):
+        params, state, _ = step(params, state, call)
+  compiled = collections.Counter(
+    message.split("jit(")[1].split(")")[0]
+    for message in (record.getMessage() for record in caplog.records)
+    if message.startswith("Compiling jit(")
+  )
+  step_programs = ("accumulate", "update", "scan")
+  programs = {n: c for n, c in compiled.items() if n.startswith(step_programs)}
+  assert programs and set(programs.values()) == {1}, compiled
