@@ -50,6 +50,13 @@ __all__ = [
 ]
 
 
+def _check_optimizer(opt: Any) -> None:
+  if not (hasattr(opt, "init") and hasattr(opt, "update")):
+    raise ValueError(
+      f"`opt` must be an optax.GradientTransformation, got {type(opt).__name__}."
+    )
+
+
 class MultiSteps:
   r"""Accumulates gradients over a window of micro-batches, weighted by items.
 
@@ -70,12 +77,10 @@ class MultiSteps:
 
   A window ends after ``every_k_schedule(gradient_step)`` counted micro-batches
   or on a call with ``end_window=True``. The inner optimizer runs on that call
-  only, and receives the window's total weight and micro-batch count as the
-  extra arguments ``window_weight`` and ``window_micro_steps`` (an inner
-  optimizer that rejects unknown extra arguments, such as ``optax.lbfgs``, runs
-  without them). Every other call returns exact zeros and leaves the inner state
-  untouched. A window whose total weight is 0 ends without an update and is
-  not counted in ``gradient_step``.
+  only, with the window's total weight and micro-batch count as extra
+  arguments ``window_weight`` and ``window_micro_steps`` (where it takes
+  them); every other call returns exact zeros. A window of total weight 0
+  ends without an update and is not counted in ``gradient_step``.
 
   What each micro-batch does to the window:
 
@@ -90,22 +95,14 @@ class MultiSteps:
   rejected by ``should_skip_update_fn``  no (as in optax)  nothing
   =====================================  ================  ========
 
-  With ``axis_name``, a micro-batch is the same on every replica: a rejection,
-  a bad weight or (``skip_micro_batch``) a non-finite gradient on one replica
-  drops it on all of them, counted once.
+  With ``axis_name`` a micro-batch dropped on one replica is dropped on all.
 
-  Weights, their sum and the products ``weight * grad`` are float32 at least,
-  whatever ``accumulator_dtype`` is; only the running sum is stored in it.
-  A window whose gradient (the sum times ``1 / total weight``, cast to each
-  leaf's dtype: what the inner optimizer would receive) or loss is not finite
-  ends without an update whatever the policy, whether a micro-batch brought a
-  NaN or the sum or the cast to a float16 leaf overflowed: params, the inner
-  state, ``gradient_step`` and any schedule are untouched, and
-  ``skipped_windows`` counts it. "Adds nothing" and the reset at the end of a
-  window are selections, not products with 0, so a NaN in one window never
-  reaches the next. (After a window that ``make_train_step`` ended,
-  ``acc_grads`` keeps that window's sum, NaN included, until the next window's
-  first micro-batch overwrites it.)
+  Weights and the products ``weight * grad`` are float32 at least, whatever
+  ``accumulator_dtype`` is. A window whose gradient (as the inner optimizer
+  would receive it) or loss is not finite ends without an update whatever
+  the policy, counted in ``skipped_windows``; drops and resets are
+  selections, never products with 0, so a NaN never reaches the next window
+  (``docs/multi_steps.md``, "What happens when...", has every case).
 
   Args:
     opt: The optimizer to run once per window.
@@ -128,18 +125,15 @@ class MultiSteps:
     grad_reduction: How the caller reduced each micro-batch's loss over its
       items: ``"mean"`` (default) or ``"sum"``. ``"sum"`` requires ``weight``.
       ``"window_mean"``: summed, then divided by the whole window's item
-      count, known before the window starts (Hugging Face's
-      ``num_items_in_batch``), so the micro-batches' losses and gradients add
-      up to the window's mean: they are summed as they are, and ``weight``
-      (optional, default 1) only counts items for the state, the metrics and
-      ``window_weight``. :meth:`window_loss` is then the sum of the losses.
-      No micro-batch can be dropped alone (each share counts the whole
-      window): ``on_nonfinite="skip_micro_batch"`` is refused, and a bad
-      ``weight`` drops its window.
+      count known beforehand (Hugging Face's ``num_items_in_batch``): the
+      shares are summed as they are, ``weight`` (default 1) only counts
+      items, and no micro-batch can be dropped alone (``skip_micro_batch``
+      is refused; a bad ``weight`` drops its window).
     axis_name: Inside ``shard_map`` or ``pmap``: the data-parallel mesh axis
       (or axes) to sum weights, weighted gradients and losses over, so each
       window's gradient is the token mean over all replicas. Not needed under
-      ``jit`` with sharded arrays, where gradients are already global.
+      ``jit`` with sharded arrays, where gradients are global (and
+      :func:`make_train_step` sums them once per window on an Explicit mesh).
     on_nonfinite: What a non-finite (NaN or infinite) gradient or loss in a
       micro-batch with positive weight does: ``"skip_window"`` (default) drops
       its whole window atomically when the window ends; ``"skip_micro_batch"``
@@ -147,10 +141,8 @@ class MultiSteps:
       the window. Either way the state counts what was dropped.
     terms: Names of loss terms that each keep their own weight over the
       window (``docs/loss_terms.md``): ``updates``, ``weight`` and ``loss``
-      are then dicts by term name, and the window's gradient is the sum over
-      terms of each term's weighted mean, ``sum_t A_t / W_t``. One
-      params-sized accumulator per term; the first term's weight is the
-      window's ``window_weight``.
+      are dicts by term name; the window's gradient is ``sum_t A_t / W_t``,
+      one accumulator per term; ``window_weight`` is the first term's.
 
   Examples:
     Two micro-batches with 1 and 3 tokens: the emitted gradient is the token
@@ -184,10 +176,7 @@ class MultiSteps:
     on_nonfinite: NonFinitePolicy = "skip_window",
     terms: tuple[str, ...] | None = None,
   ):
-    if not (hasattr(opt, "init") and hasattr(opt, "update")):
-      raise ValueError(
-        f"`opt` must be an optax.GradientTransformation, got {type(opt).__name__}."
-      )
+    _check_optimizer(opt)
     self.config = MultiStepsConfig(
       every_k_schedule,
       use_grad_mean,

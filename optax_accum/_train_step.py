@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
 from jax.typing import ArrayLike
 
-from optax_accum import _checks, _deferred, _reduction, _terms
+from optax_accum import _checks, _reduction, _terms
+from optax_accum._layouts import Layouts, is_traced
 from optax_accum._multi_steps import EveryKSchedule, MultiSteps, MultiStepsState
 from optax_accum._programs import (
   Metrics,
@@ -31,22 +31,11 @@ from optax_accum._programs import (
 from optax_accum._reduction import AxisName
 from optax_accum._replicas import (
   DataLayout,
-  as_returned,
-  data_layout,
-  has_partial_sums,
-  mesh_of,
-  per_replica,
-  sharded_programs,
-  summed,
 )
 from optax_accum._state import check_single_accumulation
 
 Mode = Literal["stream", "scan"]
 StepOutput = tuple[optax.Params, MultiStepsState, Metrics]
-
-
-def _is_traced(*trees: Any) -> bool:
-  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
 
 
 def _host_int(x: jax.Array) -> int:
@@ -88,7 +77,7 @@ def _check_state(opt_state: Any) -> None:
 
 def _check_scan_end_window(end_window: Any) -> None:
   _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
-  if _is_traced(end_window) or bool(end_window):
+  if is_traced(end_window) or bool(end_window):
     raise ValueError(
       "`end_window` is for streaming: in scan mode every call ends a window."
     )
@@ -182,8 +171,9 @@ class TrainStep:
     self.accumulate_program = jax.jit(
       self._bodies.accumulate, donate_argnums=(1,) if donate else ()
     )
-    self._sharded_programs: dict[DataLayout, tuple[Any, Any]] = {}
-    self._deferred_layouts: dict[Any, DataLayout | None] = {}
+    self._layouts = Layouts(
+      self._bodies, mode, donate, (self.accumulate_program, self.update_program)
+    )
     self._known: _Known | None = None
 
   def __call__(
@@ -202,7 +192,7 @@ class TrainStep:
       _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
     counts = (opt_state.mini_step, opt_state.gradient_step, end_window)
     if any(isinstance(x, jax.core.Tracer) for x in counts):  # No tree walk.
-      params, opt_state, _ = self._arranged(params, opt_state, batch)
+      params, opt_state, _ = self._layouts.arranged(params, opt_state, batch)
       return self._run_update(params, opt_state, batch, rng, end_window)
     known, params, opt_state, hit = self._recalled(params, opt_state, batch, rng)
     value, k = known.counts(opt_state, self.optimizer)
@@ -236,7 +226,7 @@ class TrainStep:
     _check_scan_end_window(end_window)
     own = not isinstance(opt_state, MultiStepsState)
     state = self._around(params, opt_state) if own else opt_state
-    params, state, layout = self._arranged(params, state, batch, rng)
+    params, state, layout = self._layouts.arranged(params, state, batch, rng)
     params, state, metrics_ = self._run_update(params, state, batch, rng, layout=layout)
     return params, state.inner_opt_state if own else state, metrics_
 
@@ -264,7 +254,7 @@ class TrainStep:
     known = self._known
     hit = known is not None and known.describes(opt_state)
     if known is None or not hit:
-      params, opt_state, layout = self._arranged(params, opt_state, batch, rng)
+      params, opt_state, layout = self._layouts.arranged(params, opt_state, batch, rng)
       known = _Known(
         opt_state.mini_step, opt_state.gradient_step, None, None, None, _UNKNOWN, layout
       )
@@ -307,8 +297,8 @@ class TrainStep:
     """
     if self.mode == "scan" and not isinstance(opt_state, MultiStepsState):
       opt_state = self._around(params, opt_state)
-    params, opt_state, layout = self._arranged(params, opt_state, batch, rng)
-    accumulate_program, update_program = self._programs(layout)
+    params, opt_state, layout = self._layouts.arranged(params, opt_state, batch, rng)
+    accumulate_program, update_program = self._layouts.programs(layout)
     split = (opt_state.inner_opt_state, opt_state.acc_grads, counters(opt_state))
     if program == "accumulate" and self.mode == "stream":
       return accumulate_program.lower(params, *split[1:], batch, rng)
@@ -323,96 +313,6 @@ class TrainStep:
 
   # -- calling the programs ------------------------------------------------
 
-  def _arranged(
-    self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any = None
-  ) -> tuple[Any, MultiStepsState, DataLayout | None]:
-    """Params and ``opt_state`` as this call runs with them: placed as the
-    programs return them (see :func:`as_returned`), the accumulator in this
-    call's layout.
-
-    Under plain ``jit`` (concrete arrays: not inside ``shard_map``) with
-    ``axis_name``, or with a batch split over ``Explicit`` data axes, the
-    accumulator holds per-replica partial sums; anywhere else one sum.
-    Called for a state the step did not return last.
-    """
-    if _is_traced(params, opt_state, batch):
-      return params, self._summed(params, opt_state), None
-    mesh = mesh_of(params, batch)
-    if mesh is not None:
-      params, opt_state = as_returned((params, opt_state), mesh)
-    config = self.optimizer.config
-    layout: DataLayout | None
-    if config.axis_name is not None:
-      scan = self.mode == "scan"
-      layout = data_layout(config.axis_name, params, batch, scan=scan)
-    else:
-      layout = self._deferred_layout(params, opt_state, batch, rng)
-    if layout is None:
-      return params, self._summed(params, opt_state), None
-    accs = [per_replica(acc, params, layout) for acc in self._accumulators(opt_state)]
-    return params, self._rebuilt(opt_state, accs), layout
-
-  def _accumulators(self, opt_state: MultiStepsState) -> Any:
-    """The state's accumulators: one like params, or one per loss term."""
-    acc = opt_state.acc_grads
-    return acc if self.optimizer.config.terms else (acc,)
-
-  def _rebuilt(self, opt_state: MultiStepsState, accs: Any) -> MultiStepsState:
-    acc = tuple(accs) if self.optimizer.config.terms else accs[0]
-    return opt_state._replace(acc_grads=acc)
-
-  def _summed(self, params: Any, opt_state: MultiStepsState) -> MultiStepsState:
-    """``opt_state`` with one sum: per-replica partial sums added up."""
-    accs = self._accumulators(opt_state)
-    if not any(has_partial_sums(acc, params) for acc in accs):
-      return opt_state
-    return self._rebuilt(opt_state, [summed(acc, params) for acc in accs])
-
-  def _deferred_layout(
-    self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
-  ) -> DataLayout | None:
-    """The layout that reduces gradients once per window without
-    ``axis_name`` (:mod:`optax_accum._deferred`), if this call allows one;
-    chosen once per shapes and shardings of the arguments."""
-    scan = self.mode == "scan"
-    layout = _deferred.candidate(params, batch, self.optimizer.config, scan=scan)
-    if layout is None:
-      return None
-    key = (layout, *map(_avals, (params, batch)), rng is None)
-    if key not in self._deferred_layouts:
-      acc = _stacked_like(self.optimizer, params, layout)
-      micro_batch = _deferred.micro_batch_like(batch) if scan else batch
-      args = (params, acc, counters(opt_state), micro_batch, rng)
-
-      def fits(chosen: DataLayout) -> bool:
-        bodies = self._bodies_for(_deferred.policy(chosen))
-        try:
-          jax.eval_shape(_deferred.accumulate_program(chosen, bodies), *args)
-        except Exception:  # A cast JAX has no rule for: that leaf stays.
-          return False
-        return True
-
-      self._deferred_layouts[key] = _deferred.choose_leaves(layout, fits, params)
-    return self._deferred_layouts[key]
-
-  def _bodies_for(self, policy: _reduction.Local) -> Programs:
-    return Programs(self.loss_fn, self.optimizer, self.has_aux, policy)
-
-  def _programs(self, layout: DataLayout | None) -> tuple[Any, Any]:
-    """The accumulate and update programs for one accumulator layout."""
-    if layout is None:
-      return self.accumulate_program, self.update_program
-    if layout not in self._sharded_programs:
-      scan = self.mode == "scan"
-      if layout.deferred is not None:
-        bodies = self._bodies_for(_deferred.policy(layout))
-        built = _deferred.programs(layout, bodies, scan=scan, donate=self.donate)
-      else:
-        bodies = self._bodies_for(_reduction.policy(layout.axes, at_window_end=True))
-        built = sharded_programs(layout, bodies, scan=scan, donate=self.donate)
-      self._sharded_programs[layout] = built
-    return self._sharded_programs[layout]
-
   def _run_update(
     self,
     params: Any,
@@ -423,9 +323,9 @@ class TrainStep:
     check_aliasing: bool = True,
     layout: DataLayout | None = None,
   ) -> StepOutput:
-    if self.donate and check_aliasing and not _is_traced(params, opt_state):
+    if self.donate and check_aliasing and not is_traced(params, opt_state):
       params, opt_state = _unaliased((params, opt_state), (batch, rng))
-    params, inner, acc, counters_, metrics_ = self._programs(layout)[1](
+    params, inner, acc, counters_, metrics_ = self._layouts.programs(layout)[1](
       params,
       opt_state.inner_opt_state,
       opt_state.acc_grads,
@@ -447,9 +347,9 @@ class TrainStep:
     layout: DataLayout | None = None,
   ) -> StepOutput:
     acc = opt_state.acc_grads
-    if self.donate and check_aliasing and not _is_traced(params, acc):
+    if self.donate and check_aliasing and not is_traced(params, acc):
       acc = _unaliased(acc, (params, opt_state.inner_opt_state, batch, rng))
-    acc, counters_, loss, grad_norm, aux = self._programs(layout)[0](
+    acc, counters_, loss, grad_norm, aux = self._layouts.programs(layout)[0](
       params, acc, counters(opt_state), batch, rng
     )
     state = joined(counters_, opt_state.inner_opt_state, acc)
@@ -460,28 +360,6 @@ class TrainStep:
     if self.has_aux:
       out["aux"] = aux
     return params, state, out
-
-
-def _avals(tree: Any) -> tuple[Any, ...]:
-  """What a jit cache sees of ``tree``: structure, shapes, dtypes, shardings."""
-  leaves, treedef = jax.tree.flatten(tree)
-  return treedef, tuple(
-    (jnp.shape(x), jnp.result_type(x), getattr(x, "sharding", None)) for x in leaves
-  )
-
-
-def _stacked_like(optimizer: MultiSteps, params: Any, layout: DataLayout) -> Any:
-  """Shapes of the accumulator in ``layout`` (per-replica partial sums)."""
-  acc = jax.eval_shape(optimizer.init, params).acc_grads
-  trees = acc if optimizer.config.terms else (acc,)
-
-  def stacked(a: Any, p: Any) -> jax.ShapeDtypeStruct:
-    spec = tuple(p.sharding.spec) + (None,) * (jnp.ndim(p) - len(p.sharding.spec))
-    sharding = NamedSharding(layout.mesh, layout.spec(*spec))
-    return jax.ShapeDtypeStruct((layout.replicas, *a.shape), a.dtype, sharding=sharding)
-
-  out = tuple(jax.tree.map(stacked, tree, params) for tree in trees)
-  return out if optimizer.config.terms else out[0]
 
 
 def _accumulator(

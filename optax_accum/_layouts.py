@@ -1,0 +1,167 @@
+"""Where a train step's accumulator lives for a call, and the programs for it.
+
+One sum, in the programs the step builds first; or per-replica partial sums
+(:class:`optax_accum._replicas.DataLayout`) under plain ``jit``: added in a
+``shard_map`` with ``axis_name`` (:mod:`optax_accum._replicas`), or in the
+global view with gradients left ``unreduced`` on an ``Explicit`` mesh
+(:mod:`optax_accum._deferred`). The host chooses for a state the step did not
+return last; the programs for each layout are built once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from optax_accum import _deferred, _reduction
+from optax_accum._multi_steps import MultiSteps, MultiStepsState
+from optax_accum._programs import Programs, counters
+from optax_accum._replicas import (
+  DataLayout,
+  as_returned,
+  data_layout,
+  has_partial_sums,
+  mesh_of,
+  per_replica,
+  sharded_programs,
+  summed,
+)
+
+
+def is_traced(*trees: Any) -> bool:
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
+
+
+class Layouts:
+  """A train step's accumulator layouts and the programs for each.
+
+  ``one_sum``: the (accumulate, update) programs of ``bodies`` for a state
+  with one sum.
+  """
+
+  def __init__(
+    self, bodies: Programs, mode: str, donate: bool, one_sum: tuple[Any, Any]
+  ):
+    self.bodies = bodies
+    self.mode = mode
+    self.donate = donate
+    self.one_sum = one_sum
+    self._built: dict[DataLayout, tuple[Any, Any]] = {}
+    self._chosen: dict[Any, DataLayout | None] = {}
+
+  def arranged(
+    self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any = None
+  ) -> tuple[Any, MultiStepsState, DataLayout | None]:
+    """Params and ``opt_state`` as this call runs with them: placed as the
+    programs return them (see :func:`as_returned`), the accumulator in this
+    call's layout.
+
+    Under plain ``jit`` (concrete arrays: not inside ``shard_map``) with
+    ``axis_name``, or with a batch split over ``Explicit`` data axes, the
+    accumulator holds per-replica partial sums; anywhere else one sum.
+    Called for a state the step did not return last.
+    """
+    if is_traced(params, opt_state, batch):
+      return params, self._summed(params, opt_state), None
+    mesh = mesh_of(params, batch)
+    if mesh is not None:
+      params, opt_state = as_returned((params, opt_state), mesh)
+    config = self.bodies.config
+    layout: DataLayout | None
+    if config.axis_name is not None:
+      scan = self.mode == "scan"
+      layout = data_layout(config.axis_name, params, batch, scan=scan)
+    else:
+      layout = self._deferred_layout(params, opt_state, batch, rng)
+    if layout is None:
+      return params, self._summed(params, opt_state), None
+    accs = [per_replica(acc, params, layout) for acc in self._accumulators(opt_state)]
+    return params, self._rebuilt(opt_state, accs), layout
+
+  def _accumulators(self, opt_state: MultiStepsState) -> Any:
+    """The state's accumulators: one like params, or one per loss term."""
+    acc = opt_state.acc_grads
+    return acc if self.bodies.config.terms else (acc,)
+
+  def _rebuilt(self, opt_state: MultiStepsState, accs: Any) -> MultiStepsState:
+    acc = tuple(accs) if self.bodies.config.terms else accs[0]
+    return opt_state._replace(acc_grads=acc)
+
+  def _summed(self, params: Any, opt_state: MultiStepsState) -> MultiStepsState:
+    """``opt_state`` with one sum: per-replica partial sums added up."""
+    accs = self._accumulators(opt_state)
+    if not any(has_partial_sums(acc, params) for acc in accs):
+      return opt_state
+    return self._rebuilt(opt_state, [summed(acc, params) for acc in accs])
+
+  def _deferred_layout(
+    self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
+  ) -> DataLayout | None:
+    """The layout that reduces gradients once per window without
+    ``axis_name`` (:mod:`optax_accum._deferred`), if this call allows one;
+    chosen once per shapes and shardings of the arguments."""
+    scan = self.mode == "scan"
+    layout = _deferred.candidate(params, batch, self.bodies.config, scan=scan)
+    if layout is None:
+      return None
+    key = (layout, *map(_avals, (params, batch)), rng is None)
+    if key not in self._chosen:
+      acc = _stacked_like(self.bodies.optimizer, params, layout)
+      micro_batch = _deferred.micro_batch_like(batch) if scan else batch
+      args = (params, acc, counters(opt_state), micro_batch, rng)
+
+      def fits(chosen: DataLayout) -> bool:
+        bodies = self._bodies_for(_deferred.policy(chosen))
+        try:
+          jax.eval_shape(_deferred.accumulate_program(chosen, bodies), *args)
+        except Exception:  # A cast JAX has no rule for: that leaf stays.
+          return False
+        return True
+
+      self._chosen[key] = _deferred.choose_leaves(layout, fits, params)
+    return self._chosen[key]
+
+  def _bodies_for(self, policy: _reduction.Local) -> Programs:
+    """The step's program bodies under another reduction policy."""
+    bodies = self.bodies
+    return Programs(bodies.loss_fn, bodies.optimizer, bodies.has_aux, policy)
+
+  def programs(self, layout: DataLayout | None) -> tuple[Any, Any]:
+    """The accumulate and update programs for one accumulator layout."""
+    if layout is None:
+      return self.one_sum
+    if layout not in self._built:
+      scan = self.mode == "scan"
+      if layout.deferred is not None:
+        bodies = self._bodies_for(_deferred.policy(layout))
+        built = _deferred.programs(layout, bodies, scan=scan, donate=self.donate)
+      else:
+        bodies = self._bodies_for(_reduction.policy(layout.axes, at_window_end=True))
+        built = sharded_programs(layout, bodies, scan=scan, donate=self.donate)
+      self._built[layout] = built
+    return self._built[layout]
+
+
+def _avals(tree: Any) -> tuple[Any, ...]:
+  """What a jit cache sees of ``tree``: structure, shapes, dtypes, shardings."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple(
+    (jnp.shape(x), jnp.result_type(x), getattr(x, "sharding", None)) for x in leaves
+  )
+
+
+def _stacked_like(optimizer: MultiSteps, params: Any, layout: DataLayout) -> Any:
+  """Shapes of the accumulator in ``layout`` (per-replica partial sums)."""
+  acc = jax.eval_shape(optimizer.init, params).acc_grads
+  trees = acc if optimizer.config.terms else (acc,)
+
+  def stacked(a: Any, p: Any) -> jax.ShapeDtypeStruct:
+    spec = tuple(p.sharding.spec) + (None,) * (jnp.ndim(p) - len(p.sharding.spec))
+    sharding = NamedSharding(layout.mesh, layout.spec(*spec))
+    return jax.ShapeDtypeStruct((layout.replicas, *a.shape), a.dtype, sharding=sharding)
+
+  out = tuple(jax.tree.map(stacked, tree, params) for tree in trees)
+  return out if optimizer.config.terms else out[0]
