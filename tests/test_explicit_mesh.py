@@ -376,3 +376,39 @@ def test_each_program_compiles_once_on_a_mesh(axis_type, axis_name, mode, caplog
   step_programs = ("accumulate", "update", "scan")
   programs = {n: c for n, c in compiled.items() if n.startswith(step_programs)}
   assert programs and set(programs.values()) == {1}, compiled
+
+
+def _term_loss(params, batch):
+  """Three terms with their own counts: tokens, sequences, 1 per call. The
+  lookup's rows stay where the token ids are (an Explicit mesh asks)."""
+  losses, mask = toy_lm.token_losses(params, batch, rows=P("data", None, None))
+  tokens, per_sequence = mask.sum(), losses.sum(axis=1)
+  sequences = (mask.sum(axis=1) > 0).astype(jnp.float32)
+  aux = 0.1 * jnp.sum(params["head"]["w"] ** 2)
+  return {
+    "ce": (losses.sum() / jnp.maximum(tokens, 1), tokens),
+    "seq": (per_sequence.sum() / jnp.maximum(sequences.sum(), 1), sequences.sum()),
+    "aux": (aux, jnp.float32(1)),
+  }
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+def test_loss_terms_reduce_once_per_window_too(mode):
+  """Each term's accumulator keeps each device's partial sum, and 8 devices
+  end where one does (issue 28's terms on issue 25's default path)."""
+  ends = []
+  for mesh in (jax.make_mesh((8,), ("data",)), _one_device_mesh()):
+    opt = optax_accum.MultiSteps(_adamw(), K, terms=("ce", "seq", "aux"))
+    step = optax_accum.make_train_step(_term_loss, opt, mode=mode)
+    params = jax.device_put(toy_lm.init_params(seed=0), NamedSharding(mesh, P()))
+    with jax.set_mesh(mesh):
+      state = jax.jit(opt.init)(params)
+      for seed in range(WINDOWS):
+        batch = toy_lm.make_batch(seed=seed, batch=K * ROWS)
+        for call in _window_input(batch, mode, mesh):
+          params, state, metrics = step(params, state, call)
+    assert int(metrics["update_count"]) == WINDOWS
+    leading = {a.shape[0] for a in jax.tree.leaves(state.acc_grads)}
+    assert leading == ({8} if mesh.size == 8 else {toy_lm.VOCAB, toy_lm.WIDTH})
+    ends.append(jax.device_get(params))
+  assert toy_lm.max_rel_diff(*ends) <= 1e-5
