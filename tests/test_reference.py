@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 import optax_accum
 
 #: Examples in CI, spread over the paths (about 1 s of CPU each).
-DEFAULT_EXAMPLES = 70
+DEFAULT_EXAMPLES = 75  # 5 for each of the 15 paths.
 EXAMPLES = int(os.environ.get("OPTAX_ACCUM_REFERENCE_EXAMPLES", DEFAULT_EXAMPLES))
 AUTO = jax.sharding.AxisType.Auto
 # Path name -> (replicas, uses make_train_step).
@@ -55,6 +55,7 @@ PATHS = {
   "shard_map_scan": (None, True),
   "pmap": (None, True),
   "jit_sharded": (1, True),
+  "jit_explicit": (1, True),
   "jit_axis_name": (None, True),
 }
 
@@ -113,12 +114,14 @@ def _optimizer(config: ref.Config) -> optax_accum.MultiSteps:
   )
 
 
-def _loss_fn_for(config: ref.Config):
+def _loss_fn_for(config: ref.Config, contract: bool = False):
   """Loss ``sum(batch["l"])`` whose gradient is exactly ``sum(batch["g"])``.
 
   Rows are micro-batch parts (one per replica or device); the weight is the
   rows' sum, or a Python constant (``config.literal_weight``); with a key, its
-  data is the aux output.
+  data is the aux output. ``contract``: each row's ``g`` meets the params in
+  a contraction (as a matmul weight does), which JAX types for params cast
+  to ``reduced`` on an Explicit mesh; otherwise in an elementwise product.
   """
 
   def loss_fn(params, batch, key=None):
@@ -126,7 +129,11 @@ def _loss_fn_for(config: ref.Config):
     for name, p in params.items():
       p = p.astype(jnp.promote_types(p.dtype, jnp.float32))
       g = batch["g"][name].astype(p.dtype)
-      zero = zero + jnp.sum((p - jax.lax.stop_gradient(p))[None] * g)
+      d = p - jax.lax.stop_gradient(p)
+      if contract:
+        zero = zero + jnp.sum(jnp.tensordot(g, d, axes=d.ndim))
+      else:
+        zero = zero + jnp.sum(d[None] * g)
     loss = jnp.sum(batch["l"])
     loss = loss + zero.astype(loss.dtype)
     weight = config.constant_weight if config.literal_weight else jnp.sum(batch["w"])
@@ -282,9 +289,10 @@ def _run_update(config, plan, rng, key, *, jit):
   return params0, observed
 
 
-def _mesh(replicas):
+def _mesh(replicas, explicit=False):
   devices = np.asarray(jax.devices()[:replicas])
-  return jax.sharding.Mesh(devices, ("data",), axis_types=(AUTO,))
+  kind = jax.sharding.AxisType.Explicit if explicit else AUTO
+  return jax.sharding.Mesh(devices, ("data",), axis_types=(kind,))
 
 
 def _run_update_shard_map(config, plan, rng, key):
@@ -324,9 +332,10 @@ def _run_update_shard_map(config, plan, rng, key):
   return params0, observed
 
 
-def _train_step(config, opt, mode="stream", **kwargs):
+def _train_step(config, opt, mode="stream", contract=False, **kwargs):
+  loss_fn = _loss_fn_for(config, contract)
   return optax_accum.make_train_step(
-    _loss_fn_for(config), opt, mode=mode, has_aux=config.rng is not None, **kwargs
+    loss_fn, opt, mode=mode, has_aux=config.rng is not None, **kwargs
   )
 
 
@@ -439,14 +448,18 @@ def _run_replicated(config, plan, rng, key, *, how):
   return params0, observed
 
 
-def _run_jit_sharded(config, plan, rng, key):
-  """Plain jit, the batch's rows sharded over 4 devices; weights split over rows."""
+def _run_jit_sharded(config, plan, rng, key, explicit=False):
+  """Plain jit, the batch's rows sharded over 4 devices; weights split over rows.
+
+  ``explicit``: on an Explicit mesh, where the step leaves the gradients of
+  2-D params each device's partial sum until the window ends.
+  """
   devices = 4
-  mesh = _mesh(devices)
+  mesh = _mesh(devices, explicit)
   opt = _optimizer(config)
   params = jax.device_put(_params(config, rng), NamedSharding(mesh, P()))
   params0 = jax.tree.map(_seen, params)
-  step = _train_step(config, opt)
+  step = _train_step(config, opt, contract=explicit)
   state = opt.init(params)
   observed = []
   for (mb,), _ in plan:
@@ -467,8 +480,17 @@ def _run_jit_sharded(config, plan, rng, key):
       rows["w"][0] = w
     rows = jax.device_put(rows, NamedSharding(mesh, P("data")))
     params, state, metrics = step(params, state, rows, key, end_window=mb.end_window)
-    observed.append(_observe(state, params=params, metrics=metrics))
+    # On an Explicit mesh each device keeps its partial sum: compare their sum.
+    summed = jax.tree.map(_partial_sums_added, state.acc_grads, params)
+    seen = state._replace(acc_grads=summed)
+    observed.append(_observe(seen, params=params, metrics=metrics))
   return params0, observed
+
+
+def _partial_sums_added(acc, param):
+  """The window's sum from an accumulator with a leading replica axis."""
+  acc = np.asarray(acc)
+  return acc.sum(0, dtype=acc.dtype) if acc.ndim == np.ndim(param) + 1 else acc
 
 
 def _run_jit_axis_name(config, plan, rng, key):
@@ -518,6 +540,7 @@ RUNNERS = {
   "shard_map_scan": functools.partial(_run_replicated, how="shard_map_scan"),
   "pmap": functools.partial(_run_replicated, how="pmap"),
   "jit_sharded": _run_jit_sharded,
+  "jit_explicit": functools.partial(_run_jit_sharded, explicit=True),
   "jit_axis_name": _run_jit_axis_name,
 }
 
@@ -657,7 +680,8 @@ SEEDS = range(math.ceil(EXAMPLES / len(PATHS)))
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("path", list(PATHS))
 def test_path_matches_the_reference(path, seed):
-  if (PATHS[path][0] is None or path == "jit_sharded") and jax.device_count() < 4:
+  sharded = path in ("jit_sharded", "jit_explicit")
+  if (PATHS[path][0] is None or sharded) and jax.device_count() < 4:
     pytest.skip("needs 4 devices")
   config, plan, expected, rng = draw_example(path, seed)
   with jax.enable_x64(config.x64):
