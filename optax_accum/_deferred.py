@@ -10,11 +10,11 @@ global batch. Between calls the accumulator holds the partial sums as the
 ``axis_name`` layout does (:mod:`optax_accum._replicas`): a leading axis of
 replicas split over the data axes, so checkpoints look and restore the same.
 
-Which params can be cast is found by tracing the step: JAX 0.10 has no
-``reduced`` rule for some ops (a gather from a table, an elementwise op
-between a param and data-split activations: a bias, a norm's scale). Those
-leaves keep XLA's reduction per micro-batch; biases and scales are small,
-and only leaves of two or more dimensions are tried.
+Which params can be cast is found by tracing the step: JAX 0.10 refuses
+some ops on a ``reduced`` operand (an elementwise op between a param and
+data-split activations: a bias, a norm's scale, a position table added to
+the inputs). Those leaves keep XLA's reduction per micro-batch; biases and
+scales are small, and only leaves of two or more dimensions are tried.
 """
 
 from __future__ import annotations

@@ -117,8 +117,8 @@ class Layouts:
         bodies = self._bodies_for(_deferred.policy(chosen))
         try:
           jax.eval_shape(_deferred.accumulate_program(chosen, bodies), *args)
-        except Exception:  # A cast JAX has no rule for: that leaf stays.
-          return False
+        except Exception:  # A cast JAX has no rule for (or a loss that fails
+          return False  # anyway: with nothing cast, the call raises it).
         return True
 
       self._chosen[key] = _deferred.choose_leaves(layout, fits, params)

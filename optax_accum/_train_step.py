@@ -29,9 +29,7 @@ from optax_accum._programs import (
   metrics,
 )
 from optax_accum._reduction import AxisName
-from optax_accum._replicas import (
-  DataLayout,
-)
+from optax_accum._replicas import DataLayout
 from optax_accum._state import check_single_accumulation
 
 Mode = Literal["stream", "scan"]
