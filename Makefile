@@ -32,10 +32,11 @@ typecheck: $(STAMP)
 docs: $(STAMP)
 	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
 
-## bench: side-by-side timings and XLA cost/memory analysis (a few minutes).
+## bench: side-by-side timings and XLA cost/memory analysis (about half an hour on 2 CPU cores).
 bench: $(STAMP)
 	$(PY) -m benchmarks.accumulation $(ARGS)
 	$(PY) -m benchmarks.data_parallel
+	$(PY) -m benchmarks.lm
 	$(PY) -m benchmarks.loss_terms
 
 ## notebooks: re-execute the notebooks in place, so their committed outputs are current.
