@@ -202,7 +202,7 @@ MODELS = {
   # A causal LM, 12 unscanned pre-LN blocks (148 leaves), 8 x 32 tokens.
   "lm-12x64-b8": lambda: causal_lm(12, 64, 4, 32, 8),
   # Tiny, for the LM smoke test.
-  "lm-2x16-b2": lambda: causal_lm(2, 16, 2, 8, 2, vocab=32),
+  "lm-1x8-b2": lambda: causal_lm(1, 8, 2, 4, 2, vocab=16),
 }
 
 

@@ -86,7 +86,7 @@ def test_lm_benchmark_smoke(tmp_path):
   tokens per second and both targets written; its results files exist."""
   from benchmarks import lm
 
-  options = ["--model", "lm-2x16-b2", "--ks", "2", "--repeats", "1"]
+  options = ["--model", "lm-1x8-b2", "--ks", "2", "--repeats", "1"]
   options += ["--windows", "1", "--machine", "smoke", "--out", str(tmp_path)]
   try:
     rows = lm.main(options)
