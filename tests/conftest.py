@@ -61,6 +61,39 @@ if not _CACHE_OFF:  # jax is imported already: set its flags as the env does.
         f"jax_persistent_cache_{_flag}",
         _type(os.environ[f"JAX_PERSISTENT_CACHE_{_flag.upper()}"]),
       )
+# XLA's CPU backend compiles without LLVM's optimisation passes (XLA's
+# `xla_backend_optimization_level=0`): that halves most compiles, a third of
+# the suite's CPU time. The HLO passes still run: the programs, their
+# collectives, XLA's cost and memory figures are those of a default build; only
+# the machine code is slower and float results may differ in the last bits.
+# So the tests that compare with output recorded from a default build (marked
+# `full_optimization`: the docs' printed output, release checkpoints, recorded
+# XLA figures) run fully optimised. Through the environment, the xdist workers
+# and every subprocess get it too; JAX_DISABLE_MOST_OPTIMIZATIONS=0 turns it off.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+_FAST_COMPILE = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() in {"1", "true"}
+jax.config.update("jax_disable_most_optimizations", _FAST_COMPILE)
+_compiling_fast = [_FAST_COMPILE]  # This process's setting now.
+
+
+def _compile_fast(fast: bool) -> None:
+  """Switches the setting for this process and the subprocesses it starts."""
+  if _compiling_fast[0] == fast:
+    return
+  _compiling_fast[0] = fast
+  # The setting is not part of jit's in-memory cache key: without clearing, a
+  # function compiled before would run its program of the other setting. (The
+  # persistent cache's key holds it.)
+  jax.clear_caches()
+  jax.config.update("jax_disable_most_optimizations", fast)
+  os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1" if fast else "0"
+
+
+@pytest.fixture(autouse=True)
+def _optimization_level(request):
+  """Full optimisation for a test marked `full_optimization` (see above)."""
+  if _FAST_COMPILE:
+    _compile_fast(request.node.get_closest_marker("full_optimization") is None)
 
 
 # -- CPU time per test (measured where the test runs: the xdist worker) ----------

@@ -10,6 +10,9 @@ from markdown_examples import run_examples
 
 import optax_accum
 
+#: The pages show what a reader's run prints: compiled as the reader's are.
+pytestmark = pytest.mark.full_optimization
+
 DOCS = pathlib.Path(__file__).parent.parent / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
 

@@ -18,6 +18,9 @@ import pytest
 #: are 4 to 6 lower), against 18 MB or more for the whole program.
 SCALAR_BYTES = 64
 
+#: Figures recorded from a default build (`python -m tests.program_costs`).
+pytestmark = pytest.mark.full_optimization
+
 
 def _recorded():
   return json.loads(program_costs.RECORD.read_text())

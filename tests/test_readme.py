@@ -3,7 +3,11 @@
 import pathlib
 import re
 
+import pytest
 from markdown_examples import python_examples, run_examples
+
+#: The README shows what a reader's run prints: compiled as the reader's are.
+pytestmark = pytest.mark.full_optimization
 
 ROOT = pathlib.Path(__file__).parent.parent
 README = ROOT / "README.md"
