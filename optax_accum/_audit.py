@@ -18,8 +18,10 @@ from optax_accum._audit_compare import (
   leaf_names,
   rounding_level_leaves,
 )
+from optax_accum._audit_loops import LossView
 from optax_accum._audit_report import AuditReport, Verdict, lr_labels
 from optax_accum._audit_runs import (
+  BatchGradient,
   GradFn,
   LoopRun,
   Reference,
@@ -27,10 +29,25 @@ from optax_accum._audit_runs import (
   f32,
   gradient_fn,
   recombined,
+  resummed_gradient,
   run_setup,
+  summed,
   whole_batch_run,
+  whole_gradient,
 )
 from optax_accum._audit_setups import Accumulation, Setup, check_loss_fn, resolve_setup
+from optax_accum._audit_terms import (
+  TermFit,
+  TermGradFn,
+  TermsBatch,
+  TermsEvidence,
+  batch_gradient,
+  declaration_problems,
+  explain,
+  loss_terms,
+  measure,
+  term_gradient_fn,
+)
 from optax_accum._audit_verdicts import Evidence, verdicts
 from optax_accum._audit_windows import Windows, needs_probe, per_micro_step, windows
 from optax_accum._batching import split_micro_batches
@@ -88,7 +105,12 @@ def audit(
       and the number of tokens, or ``(loss, (weight, aux))`` with ``has_aux``;
       with an ``optax_accum.MultiSteps(grad_reduction="sum")`` as
       ``optimizer``, the loss summed over tokens, as the train step takes it
-      (the whole batch then takes its token mean).
+      (the whole batch then takes its token mean). Or loss terms, ``{name:
+      (value, weight)}`` (and the aux with ``has_aux``): each a mean over its
+      own items and their count. The whole batch's objective is then each
+      term's weighted mean over the micro-batches, summed, and a ``terms``
+      verdict names a term your setup or your weights normalise by the wrong
+      count (``docs/audit.md``).
     optimizer: The optimizer the whole batch would use, or your accumulator
       around it (``optax.MultiSteps(opt, k)``). Learning rates injected with
       ``optax.inject_hyperparams`` are compared at every update, in every
@@ -113,22 +135,32 @@ def audit(
 
   Raises:
     ValueError: For bad arguments, a ``loss_fn`` that does not return ``(loss,
-      weight)``, an accumulator passed with ``accumulation``, an
+      weight)`` or loss terms (or other terms than an
+      :class:`optax_accum.MultiSteps` passed declares), an accumulator passed
+      with ``accumulation``, an
       ``optax.MultiSteps`` inside another transformation, or a setup that
       returns params of another structure.
   """
   k = _checks.whole_number(k, name="k")
   steps = _checks.whole_number(steps, name="steps")
   batches, micro = _micro_batches(batch, k, steps, split)
-  setup = resolve_setup(loss_fn, bool(has_aux), optimizer, params, k, accumulation)
+  _checks.callable_arg(loss_fn, name="loss_fn")
+  term_names = loss_terms(loss_fn, bool(has_aux), params, micro[0][0])
+  setup = resolve_setup(
+    LossView(loss_fn, bool(has_aux), terms=term_names),
+    optimizer,
+    params,
+    k,
+    accumulation,
+  )
   check_loss_fn(setup.loss, params, micro[0][0])
-  grad_fn = gradient_fn(setup.loss)
-  first = _first_batch(grad_fn, params, batches[0], micro[0])
+  gradients = _gradients(setup, tolerance)
+  first = _first_batch(gradients, params, batches[0], micro[0], tolerance)
   # Updates steps + 1 and steps + 2 (after the restart) reuse the first batches.
-  reference, resummed = _whole_batch_runs(setup, grad_fn, params, batches, micro)
+  reference, resummed = _whole_batch_runs(setup, gradients, params, batches, micro)
   run = _setup_run(setup, k, params, micro, reference)
   probe, w = _probe_runs(setup, k, steps, first.params32, micro, reference, run)
-  fit = None if probe is None else _fit(probe, first, tolerance)
+  fit, term_fit = (None, None) if probe is None else _fit(probe, first, tolerance)
   lowest = min(jnp.finfo(jnp.result_type(x)).eps for x in jax.tree.leaves(params))
   trajectory_tol = max(tolerance, 32 * float(lowest))
   skip = rounding_level_leaves(first.whole_grad, first.resummed_grad)
@@ -137,13 +169,55 @@ def audit(
     reference.params[:n], resummed.params[:n], run.params[:n], skip, trajectory_tol
   )
   chained = setup.probe is None
-  evidence = Evidence(fit, probe, w, comparison, reference, run, steps, chained)
+  terms = _terms_evidence(first, term_fit, tolerance)
+  evidence = Evidence(fit, probe, w, comparison, reference, run, steps, chained, terms)
   names = leaf_names(params)
   report = _report(
     setup.name, first, evidence, [names[i] for i in skip], trajectory_tol
   )
   report.verdicts = verdicts(report, evidence)
   return report
+
+
+def _terms_evidence(
+  first: _FirstBatch, fit: TermFit | None, tolerance: float
+) -> TermsEvidence | None:
+  """With loss terms, the declarations checked against the whole batch."""
+  if first.terms is None:
+    return None
+  declared = declaration_problems(first.terms, first.params32, tolerance)
+  return TermsEvidence(first.terms, declared, fit)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Gradients:
+  """How the audit takes gradients: a micro-batch's (``one``, or ``of_terms``
+  by loss term), and the whole batch's (``whole``) and its exact re-summation
+  over the micro-batches (``resummed``)."""
+
+  one: GradFn
+  of_terms: TermGradFn | None
+  names: tuple[str, ...]
+  whole: BatchGradient
+  resummed: BatchGradient
+
+
+def _gradients(setup: Setup, tolerance: float) -> _Gradients:
+  grad_fn = gradient_fn(setup.loss)
+  names = setup.loss.terms
+  if not names:
+    return _Gradients(
+      grad_fn, None, (), whole_gradient(grad_fn), resummed_gradient(grad_fn)
+    )
+  term_fn = term_gradient_fn(setup.loss)
+  by_term = setup.ends_windows
+  return _Gradients(
+    grad_fn,
+    term_fn,
+    names,
+    batch_gradient(term_fn, names, tolerance, resum=False, by_term=by_term),
+    batch_gradient(term_fn, names, tolerance, resum=True, by_term=by_term),
+  )
 
 
 def _every_kth_row(batch: Any, k: int) -> list[Any]:
@@ -182,6 +256,10 @@ class _FirstBatch:
     resummed_grad: The micro-batch gradients' token-weighted mean: the whole
       batch's gradient summed in another order.
     uniform_grad: Their plain mean, what F1 applies.
+    terms: With loss terms, each term's gradients and weights (then each
+      micro-batch's gradient is that of the terms' sum, ``tokens`` the weights
+      of the first term with weight, and the whole batch's the sum of each
+      term's).
   """
 
   params32: Any
@@ -190,29 +268,45 @@ class _FirstBatch:
   tokens: list[float]
   resummed_grad: Any
   uniform_grad: Any
+  terms: TermsBatch | None = None
 
 
 def _first_batch(
-  grad_fn: GradFn, params: Any, batch: Any, window: Sequence[Any]
+  gradients: _Gradients,
+  params: Any,
+  batch: Any,
+  window: Sequence[Any],
+  tolerance: float,
 ) -> _FirstBatch:
   params32 = f32(params)
-  whole_grad, _ = grad_fn(params32, batch)
-  pairs = [grad_fn(params32, m) for m in window]
-  micro_grads = [g for g, _ in pairs]
-  tokens = [float(w) for _, w in pairs]
+  terms = None
+  if gradients.of_terms is None:
+    whole_grad, _ = gradients.one(params32, batch)
+    pairs = [gradients.one(params32, m) for m in window]
+    micro_grads = [g for g, _ in pairs]
+    tokens = [float(w) for _, w in pairs]
+    resummed_grad = recombined(micro_grads, tokens, params32)
+  else:  # Each micro-batch's gradient is that of the terms' sum.
+    terms = measure(gradients.of_terms, gradients.names, params32, batch, window)
+    whole_grad = summed(terms.reference(params32, tolerance))
+    resummed_grad = summed(
+      [terms.recombined(t, params32) for t in range(len(terms.names))]
+    )
+    micro_grads = [summed(list(g)) for g in zip(*terms.grads, strict=True)]
+    weighted = [w for w in terms.weights if w.sum() > 0] or [terms.weights[0]]
+    tokens = [float(w) for w in weighted[0]]
   if not sum(tokens) > 0:
     raise ValueError(f"The first batch holds no tokens: weights {tokens}.")
-  resummed_grad = recombined(micro_grads, tokens, params32)
   k = len(micro_grads)
   uniform_grad = jax.tree.map(lambda *g: sum(g) / k, *micro_grads)
   return _FirstBatch(
-    params32, whole_grad, micro_grads, tokens, resummed_grad, uniform_grad
+    params32, whole_grad, micro_grads, tokens, resummed_grad, uniform_grad, terms
   )
 
 
 def _whole_batch_runs(
   setup: Setup,
-  grad_fn: GradFn,
+  gradients: _Gradients,
   params: Any,
   batches: list[Any],
   micro: list[list[Any]],
@@ -222,8 +316,10 @@ def _whole_batch_runs(
   batches = [batches[i % len(batches)] for i in range(ahead)]
   micro = [micro[i % len(micro)] for i in range(ahead)]
   optimizer, ends = setup.optimizer, setup.ends_windows
-  reference = whole_batch_run(grad_fn, optimizer, params, batches, ends_windows=ends)
-  resummed = whole_batch_run(grad_fn, optimizer, params, batches, micro, ends)
+  reference = whole_batch_run(gradients.whole, optimizer, params, batches, micro, ends)
+  resummed = whole_batch_run(
+    gradients.resummed, optimizer, params, batches, micro, ends
+  )
   return reference, resummed
 
 
@@ -270,12 +366,18 @@ def _probe_runs(
   return first, windows(k, steps, reference, run, whole)
 
 
-def _fit(probe: LoopRun, first: _FirstBatch, tolerance: float) -> GradientFit:
-  """What the gradient the probe applied in the first window is."""
+def _fit(
+  probe: LoopRun, first: _FirstBatch, tolerance: float
+) -> tuple[GradientFit, TermFit | None]:
+  """What the gradient the probe applied in the first window is; with loss
+  terms, which terms it weighs otherwise."""
   applied = jax.tree.map(jnp.subtract, first.params32, f32(probe.params[0]))
-  return fit_gradient(
+  fit = fit_gradient(
     applied, first.whole_grad, first.micro_grads, first.tokens, tolerance
   )
+  if first.terms is None:
+    return fit, None
+  return explain(fit, applied, first.terms, tolerance)
 
 
 def _report(
@@ -326,7 +428,21 @@ def _report(
     expected_applied_resumed=w.expected_resumed,
     updates_compared=w.compared,
     tolerance=tolerance,
+    **_term_fields(evidence.terms),
   )
+
+
+def _term_fields(terms: TermsEvidence | None) -> dict[str, Any]:
+  """The report's ``term_weights`` and ``term_coefficients``."""
+  if terms is None:
+    return {}
+  weights = terms.batch.weights
+  return {
+    "term_weights": {
+      name: [float(x) for x in weights[t]] for t, name in enumerate(terms.batch.names)
+    },
+    "term_coefficients": None if terms.fit is None else terms.fit.coefficients,
+  }
 
 
 _NOT_MEASURED = "the accumulator sits inside your optimizer"

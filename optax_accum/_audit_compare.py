@@ -20,17 +20,18 @@ ROUNDING_MARGIN = 10.0
 DROPPED = 1e-3
 
 
-def _flat(tree: Any) -> np.ndarray:
+def flat(tree: Any) -> np.ndarray:
+  """Every leaf of ``tree``, in float64, as one vector."""
   leaves = [np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)]
   return np.concatenate(leaves) if leaves else np.zeros(0)
 
 
-def _norm(x: np.ndarray) -> float:
+def norm(x: np.ndarray) -> float:
   return float(np.linalg.norm(x))
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
-  return _norm(a - b) / max(_norm(b), 1e-30)
+  return norm(a - b) / max(norm(b), 1e-30)
 
 
 @dataclasses.dataclass
@@ -94,17 +95,17 @@ def fit_gradient(
   micro-batch's gradient divided by ``k``, or by its share of the tokens) are
   recognised as that bug.
   """
-  a, w = _flat(applied), _flat(whole)
-  g = np.stack([_flat(x) for x in micro_grads])
+  a, w = flat(applied), flat(whole)
+  g = np.stack([flat(x) for x in micro_grads])
   k = len(micro_grads)
   error = _rel(a, w)
   if error <= tol:
     shares = [float(n) / float(sum(tokens)) for n in tokens]
     return GradientFit(error, "whole", 1.0, shares)
-  if not _norm(a) > 0:
+  if not norm(a) > 0:
     return GradientFit(error, "none", 0.0, None, "nothing was applied")
   coef, *_ = np.linalg.lstsq(g.T, a, rcond=None)
-  combination = _norm(a - g.T @ coef) / _norm(a) <= tol
+  combination = norm(a - g.T @ coef) / norm(a) <= tol
   coefficients = [float(c) for c in coef] if combination else None
   share = (float(tokens[-1]), float(sum(tokens)))
   if k > 1:
@@ -136,7 +137,7 @@ def fit_gradient(
 def _scaled(a: np.ndarray, d: np.ndarray) -> tuple[float, float]:
   """The best ``c`` in ``a = c * d``, and the relative error left."""
   c = float(a @ d / max(d @ d, 1e-300))
-  return c, _norm(a - c * d) / _norm(a)
+  return c, norm(a - c * d) / norm(a)
 
 
 def _missing_micro_batches(
@@ -157,7 +158,12 @@ def _missing_micro_batches(
   if coefficients is None:
     return None
   largest = max(abs(x) for x in coefficients)
-  dropped = [i + 1 for i, x in enumerate(coefficients) if abs(x) <= DROPPED * largest]
+  # A micro-batch whose gradient is 0 (padding only) cannot tell.
+  dropped = [
+    i + 1
+    for i, x in enumerate(coefficients)
+    if abs(x) <= DROPPED * largest and norm(g[i]) > 0
+  ]
   if dropped:
     return "dropped", 1.0, f"micro-batches {dropped} of {k} are not in it"
   return None
@@ -225,10 +231,10 @@ def compare_params(
 ) -> ParamsComparison:
   names = leaf_names(reference[0])
   last = len(reference) - 1
-  ref_last, mine_last = _flat(reference[last]), _flat(mine[last])
+  ref_last, mine_last = flat(reference[last]), flat(mine[last])
   out = ParamsComparison(
     diff=_rel(mine_last, ref_last),
-    rounding=_rel(_flat(resummed[last]), ref_last),
+    rounding=_rel(flat(resummed[last]), ref_last),
     first_off=None,
     worst=None,
   )

@@ -15,6 +15,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from optax_accum._multi_steps import MultiSteps
@@ -34,16 +35,32 @@ class LossView:
     has_aux: Whether it returns ``(loss, (weight, aux))``.
     summed: Whether it returns the loss summed over tokens (the
       ``grad_reduction="sum"`` recipe), divided here by the weight.
+    terms: The names of its loss terms, where it returns ``{name: (value,
+      weight)}`` (or that dict and the aux): seen as the terms' sum under the
+      first term's weight, as a loop that sums them before accumulating does.
   """
 
   loss_fn: Callable[..., Any]
   has_aux: bool
   summed: bool = False
+  terms: tuple[str, ...] = ()
 
   def __call__(self, params: Any, batch: Any) -> tuple[Any, Any]:
+    if self.terms:  # The terms' sum, under the first term's weight.
+      values, weights = self.split(params, batch)
+      return sum(values[1:], values[0]), weights[0]
     value, rest = self.loss_fn(params, batch)
     weight = rest[0] if self.has_aux else rest
     return (value / weight if self.summed else value), weight
+
+  def split(self, params: Any, batch: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """Each term's value and weight, in ``terms``' order (with ``terms``)."""
+    out = self.loss_fn(params, batch)
+    by_name = out[0] if self.has_aux else out
+    return (
+      tuple(by_name[n][0] for n in self.terms),
+      tuple(by_name[n][1] for n in self.terms),
+    )
 
 
 #: Loops and probes built by the audit, newest last: auditing the same loss and
@@ -128,15 +145,39 @@ def usual_loop(
   loss: LossView, tx: optax.GradientTransformation, *, weighted: bool
 ) -> Loop:
   """The loop optax users write: each micro-batch's mean-loss gradient to
-  ``tx.update`` (with ``weight=`` its tokens if ``weighted``), then
-  ``optax.apply_updates``."""
+  ``tx.update`` (with ``weight=`` its tokens if ``weighted``; with loss terms,
+  dicts of each term's gradient and weight), then ``optax.apply_updates``."""
   tx = optax.with_extra_args_support(tx)
 
   @jax.jit
   def step(params: Any, state: Any, micro_batch: Any) -> tuple[Any, Any]:
-    grads, weight = jax.grad(loss, has_aux=True)(params, micro_batch)
+    if weighted and loss.terms:  # Dicts by term name, as MultiSteps(terms=) takes.
+      grads, weight = (
+        dict(zip(loss.terms, x, strict=True))
+        for x in term_gradients(loss, params, micro_batch)
+      )
+    else:
+      grads, weight = jax.grad(loss, has_aux=True)(params, micro_batch)
     extra = {"weight": weight} if weighted else {}
     updates, state = tx.update(grads, state, params, **extra)
     return optax.apply_updates(params, updates), state
 
   return tx.init, step
+
+
+def term_gradients(
+  loss: LossView, params: Any, batch: Any
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+  """Each loss term's gradient and weight, in ``loss.terms``' order: one forward
+  pass, one backward pass per term."""
+  values, pullback, weights = jax.vjp(
+    lambda p: loss.split(p, batch), params, has_aux=True
+  )
+
+  def one_hot(i: int) -> tuple[Any, ...]:
+    return tuple(
+      jnp.ones_like(v) if j == i else jnp.zeros_like(v) for j, v in enumerate(values)
+    )
+
+  grads = tuple(pullback(one_hot(i))[0] for i in range(len(values)))
+  return grads, weights

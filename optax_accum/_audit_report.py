@@ -14,6 +14,7 @@ FAILURES = {
   "F4": "off-by-one window",
   "F6": "gradients dropped at the window boundary",
   "F7": "params frozen while the optimizer state advances",
+  "terms": "loss term weighted by the wrong count",
   "other": "any other difference from the whole batch",
 }
 FIXES = {
@@ -30,6 +31,11 @@ FIXES = {
   "optax_accum.MultiSteps",
   "F7": "apply every update the optimizer returns, in one step function that "
   "reads the window's end from the optimizer state: optax_accum.make_train_step",
+  "terms": "divide each term's window sum by that term's own total weight: "
+  "optax_accum.MultiSteps(opt, k, terms=(...)) with loss_fn returning {name: "
+  "(value, weight)}",
+  "terms declared": "return each term as the mean over its own items, and their "
+  "count as its weight (a value computed once per micro-batch: weight 1)",
 }
 
 
@@ -88,7 +94,13 @@ class AuditReport:
     updates_compared: Updates whose params and learning rates were compared:
       ``steps + 2`` where the windows after the restart line up, else ``steps``.
     tolerance: Relative error above which a difference counts.
-    verdicts: Failure id to :class:`Verdict`.
+    verdicts: Failure id to :class:`Verdict` (``terms`` only where ``loss_fn``
+      returns loss terms).
+    term_weights: With loss terms, each term's weight in each micro-batch of
+      the first window, by name (``tokens`` holds the first weighted term's).
+    term_coefficients: The coefficient the applied gradient gives each term in
+      each micro-batch (least squares; the window's objective gives
+      ``w_ti / W_t``), where measured.
   """
 
   setup: str
@@ -117,6 +129,8 @@ class AuditReport:
   updates_compared: int
   tolerance: float
   verdicts: dict[str, Verdict] = dataclasses.field(default_factory=dict)
+  term_weights: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+  term_coefficients: dict[str, list[float]] | None = None
 
   @property
   def ok(self) -> bool:
@@ -126,6 +140,17 @@ class AuditReport:
   def found(self) -> set[str]:
     """The ids of the failures found."""
     return {f for f, v in self.verdicts.items() if v.status == "FOUND"}
+
+  def _weights(self) -> list[str]:
+    if not self.term_weights:
+      return [_report.row("tokens per micro-batch", [round(t) for t in self.tokens])]
+    return [
+      _report.row(
+        f"weight of {name!r}",
+        [int(w) if float(w).is_integer() else round(w, 3) for w in weights],
+      )
+      for name, weights in self.term_weights.items()
+    ]
 
   def _params_diff(self) -> str:
     text = f"{self.params_diff:.2e}"
@@ -165,7 +190,7 @@ class AuditReport:
       f"accumulation audit of {self.setup}: k={self.k}, updates "
       f"1-{self.updates_compared} against the whole batch -> "
       f"{'OK' if self.ok else 'PROBLEMS FOUND'}",
-      _report.row("tokens per micro-batch", [round(t) for t in self.tokens]),
+      *self._weights(),
       _report.row("mean-of-means bias here", f"{self.mean_of_means_bias:.2e}"),
       _report.row("first-window gradient", self.grad_fit),
       _report.row("params diff after updates", self._params_diff()),

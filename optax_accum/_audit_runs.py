@@ -16,24 +16,33 @@ Path = tuple[str, ...]
 GradFn = Callable[[Any, Any], tuple[Any, jax.Array]]
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _compiled_grad(
-  loss: Callable[..., Any], params: Any, batch: Any
-) -> tuple[Any, jax.Array]:
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _compiled_call(fn: Callable[..., Any], static: Any, *args: Any) -> Any:
+  return fn(static, *args)
+
+
+def compiled(fn: Callable[..., Any], static: Any) -> Callable[..., Any]:
+  """``fn(static, *args)`` as a function of ``args``, compiled.
+
+  Compiled once per ``static`` (every audit with the same loss or optimizer
+  reuses the program) where it is hashable, else once per audit; either is far
+  quicker than the many small programs ``fn`` compiles op by op outside
+  ``jit``.
+  """
+  try:
+    hash(static)
+  except TypeError:
+    return jax.jit(functools.partial(fn, static))
+  return functools.partial(_compiled_call, fn, static)
+
+
+def _grad(loss: Callable[..., Any], params: Any, batch: Any) -> tuple[Any, jax.Array]:
   return jax.grad(loss, has_aux=True)(params, batch)
 
 
 def gradient_fn(loss: Callable[..., Any]) -> GradFn:
-  """``(params, batch) -> (gradient, weight)`` of ``loss``, compiled.
-
-  Compiled once per ``loss`` (every audit of the same loss reuses it) where
-  ``loss`` is hashable, else once per audit.
-  """
-  try:
-    hash(loss)
-  except TypeError:
-    return jax.jit(jax.grad(loss, has_aux=True))
-  return functools.partial(_compiled_grad, loss)
+  """``(params, batch) -> (gradient, weight)`` of ``loss``, compiled."""
+  return compiled(_grad, loss)
 
 
 def _update(
@@ -47,23 +56,11 @@ def _update(
   return optax.apply_updates(params, updates), state
 
 
-_compiled_update = jax.jit(_update, static_argnums=0)
-
-
 def update_fn(
   optimizer: optax.GradientTransformation,
 ) -> Callable[[Any, Any, Any, dict[str, Any]], tuple[Any, Any]]:
-  """``(grads, state, params, extra_args) -> (params, state)``: one compiled update.
-
-  Compiled once per optimizer where it is hashable (every audit with it
-  reuses the program), else once per audit; either is far quicker than the
-  many small programs the same update compiles op by op outside ``jit``.
-  """
-  try:
-    hash(optimizer)
-  except TypeError:
-    return jax.jit(functools.partial(_update, optimizer))
-  return functools.partial(_compiled_update, optimizer)
+  """``(grads, state, params, extra_args) -> (params, state)``: one compiled update."""
+  return compiled(_update, optimizer)
 
 
 def f32(tree: Any) -> Any:
@@ -151,6 +148,11 @@ def read_all(state: Any, paths: Sequence[Path]) -> dict[Path, list[float]]:
   return out
 
 
+def summed(trees: Sequence[Any]) -> Any:
+  """The sum of ``trees``, leaf by leaf."""
+  return jax.tree.map(lambda *x: sum(x[1:], x[0]), *trees)
+
+
 def recombined(grads: Sequence[Any], weights: Sequence[float], like: Any) -> Any:
   """``sum_i w_i g_i / sum_i w_i`` in float32, cast back to each leaf's dtype."""
   total = sum(weights)
@@ -190,16 +192,16 @@ class Reference:
 
 
 def whole_batch_run(
-  grad_fn: GradFn,
+  gradient: BatchGradient,
   optimizer: optax.GradientTransformation,
   params: Any,
   batches: Sequence[Any],
-  micro: Sequence[Sequence[Any]] | None = None,
+  micro: Sequence[Sequence[Any]],
   ends_windows: bool = False,
 ) -> Reference:
-  """``optimizer`` once per batch; with ``micro``, on the token-weighted sum of
-  the micro-batch gradients instead of the batch's own gradient (the same
-  maths, summed in another order: how far apart the two end is rounding).
+  """``optimizer`` once per batch, on ``gradient(params, batch, micro_batches)``
+  (:func:`whole_gradient`, or :func:`resummed_gradient`: the same maths summed
+  in another order, so how far apart the two end is rounding).
 
   With ``ends_windows`` each update passes ``end_window=True`` and the batch's
   weight, for an :class:`optax_accum.MultiSteps` inside ``optimizer``.
@@ -213,7 +215,7 @@ def whole_batch_run(
     if jnp.finfo(jnp.result_type(value)).bits < 32:
       out.low_precision[name] = float(np.asarray(value, np.float32))
   for i, batch in enumerate(batches):
-    grads, weight = _batch_gradient(grad_fn, params, batch, micro and micro[i])
+    grads, weight = gradient(params, batch, micro[i])
     extra = {"end_window": True, "weight": weight} if ends_windows else {}
     new_params, state = update(grads, state, params, jax.tree.map(jnp.asarray, extra))
     out.changed.append(differs(new_params, params))
@@ -228,17 +230,33 @@ def whole_batch_run(
   return out
 
 
-def _batch_gradient(
-  grad_fn: GradFn, params: Any, batch: Any, micro: Sequence[Any] | None
-) -> tuple[Any, float]:
-  """The batch's gradient and weight; with ``micro``, the token-weighted sum of
-  its micro-batches' gradients instead."""
-  if not micro:
+#: ``gradient(params, batch, micro_batches) -> (gradient, weight)``: what the
+#: whole batch applies in one update.
+BatchGradient = Callable[[Any, Any, Sequence[Any]], tuple[Any, Any]]
+
+
+def whole_gradient(grad_fn: GradFn) -> BatchGradient:
+  """The batch's own gradient and weight."""
+
+  def gradient(params: Any, batch: Any, micro: Sequence[Any]) -> tuple[Any, float]:
+    del micro
     grads, weight = grad_fn(params, batch)
     return grads, float(weight)
-  pairs = [grad_fn(params, m) for m in micro]
-  weights = [float(w) for _, w in pairs]
-  return recombined([g for g, _ in pairs], weights, params), sum(weights)
+
+  return gradient
+
+
+def resummed_gradient(grad_fn: GradFn) -> BatchGradient:
+  """The token-weighted sum of the batch's micro-batch gradients, and their
+  total weight."""
+
+  def gradient(params: Any, batch: Any, micro: Sequence[Any]) -> tuple[Any, float]:
+    del batch
+    pairs = [grad_fn(params, m) for m in micro]
+    weights = [float(w) for _, w in pairs]
+    return recombined([g for g, _ in pairs], weights, params), sum(weights)
+
+  return gradient
 
 
 def _hyperparams(state: Any) -> dict[str, Any]:

@@ -140,8 +140,11 @@ def _describe(out: Any) -> str:
 
 
 def check_loss_fn(loss: LossView, params: Any, micro_batch: Any) -> None:
-  """Raises ``ValueError`` unless ``loss.loss_fn`` returns what ``audit`` needs."""
+  """Raises ``ValueError`` unless ``loss.loss_fn`` returns what ``audit`` needs
+  (loss terms are checked where they are found: ``_audit_terms.loss_terms``)."""
   _checks.callable_arg(loss.loss_fn, name="loss_fn")
+  if loss.terms:
+    return
   want = "(loss, (weight, aux))" if loss.has_aux else "(loss, weight)"
   what = (
     "the loss summed over tokens (grad_reduction='sum') and the number of tokens, "
@@ -172,41 +175,62 @@ def check_loss_fn(loss: LossView, params: Any, micro_batch: Any) -> None:
 
 
 def resolve_setup(
-  loss_fn: Callable[..., Any],
-  has_aux: bool,
+  loss: LossView,
   optimizer: Any,
   params: Any,
   k: int,
   accumulation: Accumulation | None,
 ) -> Setup:
   """What the audit runs: the caller's accumulation, an accumulator's usual loop,
-  or :func:`optax_accum.make_train_step` around :class:`optax_accum.MultiSteps`.
+  or :func:`optax_accum.make_train_step` around :class:`optax_accum.MultiSteps`
+  (``terms=`` those of ``loss``, where it has terms).
   """
   acc = find_accumulator(optimizer)
   if acc is not None:
     _check_accumulator(acc, k, accumulation)
-    return _accumulator_setup(loss_fn, has_aux, acc)
+    _check_terms(acc, loss)
+    return _accumulator_setup(loss, acc)
   if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
     raise ValueError(
       "`optimizer` must be an optax.GradientTransformation, got "
       f"{type(optimizer).__name__}."
     )
-  loss = LossView(loss_fn, has_aux)
   held = _accumulator_states(optimizer.init(params))
   if held:
     return _chained_setup(loss, optimizer, accumulation, held)
   if accumulation is not None:
     probe = probe_optimizer(optimizer)
     return Setup("your accumulation", accumulation, optimizer, loss, probe)
+  loss_fn, has_aux, terms = loss.loss_fn, loss.has_aux, loss.terms or None
 
   def ours(opt: Any, k: int) -> tuple[Callable, Callable]:
     return built_once(
-      ("ours", loss_fn, has_aux, opt, k),
-      lambda: train_step_loop(loss_fn, has_aux, MultiSteps(opt, k)),
+      ("ours", loss_fn, has_aux, terms, opt, k),
+      lambda: train_step_loop(loss_fn, has_aux, MultiSteps(opt, k, terms=terms)),
     )
 
   name = "optax_accum.make_train_step (default)"
   return Setup(name, ours, optimizer, loss, STATELESS_PROBE)
+
+
+def _check_terms(acc: Accumulator, loss: LossView) -> None:
+  """Raises ``ValueError`` unless ``acc`` takes the loss terms ``loss_fn``
+  returns (an ``optax.MultiSteps`` takes their sum)."""
+  terms = loss.terms
+  if not isinstance(acc, MultiSteps) or set(acc.config.terms or ()) == set(terms):
+    return
+  declared = list(acc.config.terms or ())
+  if not terms:
+    raise ValueError(
+      f"The optax_accum.MultiSteps passed as `optimizer` has terms={declared} "
+      "but `loss_fn` returns no dict of loss terms {name: (value, weight)} with "
+      f"has_aux={loss.has_aux}: return one (with has_aux=True, `(terms, aux)`)."
+    )
+  raise ValueError(
+    f"`loss_fn` returns the loss terms {list(terms)} but the "
+    f"optax_accum.MultiSteps passed as `optimizer` has terms={declared or None}: "
+    f"pass optax_accum.MultiSteps(..., terms={terms!r})."
+  )
 
 
 def _chained_setup(
@@ -238,9 +262,10 @@ def _chained_setup(
       ("chained", loss, opt), lambda: usual_loop(loss, opt, weighted=True)
     )
 
+  each = "each term's" if loss.terms else "each micro-batch's"
   name = (
-    "your optimizer (an optax_accum.MultiSteps inside it) in the usual loop (each "
-    "micro-batch's gradient and weight to update)"
+    "your optimizer (an optax_accum.MultiSteps inside it) in the usual loop "
+    f"({each} gradient and weight to update)"
   )
   return Setup(name, usual, optimizer, loss, None, True)
 
@@ -277,17 +302,17 @@ def _check_accumulator(
     )
 
 
-def _accumulator_setup(
-  loss_fn: Callable[..., Any], has_aux: bool, acc: Accumulator
-) -> Setup:
+def _accumulator_setup(given: LossView, acc: Accumulator) -> Setup:
   """The usual loop around ``acc``; its inner optimizer is the whole batch's.
 
   With ``grad_reduction="sum"`` ``loss_fn`` is the summed loss the train step
-  takes, and the whole batch takes its token mean.
+  takes, and the whole batch takes its token mean. Loss terms go to an
+  ``optax.MultiSteps`` as their sum.
   """
   inner = acc.inner_opt
+  loss_fn, has_aux = given.loss_fn, given.has_aux
   summed = isinstance(acc, MultiSteps) and acc.grad_reduction == "sum"
-  loss = LossView(loss_fn, has_aux, summed)
+  loss = dataclasses.replace(given, summed=summed)
 
   def build(opt: Any) -> tuple[Callable, Callable]:
     wrapped = acc if opt is inner else _with_inner(acc, opt)
@@ -307,6 +332,10 @@ def _accumulator_setup(
     )
   elif isinstance(acc, MultiSteps):
     name += " in optax_accum.make_train_step"
+  elif loss.terms:
+    name += (
+      " in the usual loop (each micro-batch's gradient of the terms' sum to update)"
+    )
   else:
     name += " in the usual loop (each micro-batch's gradient to update)"
   return Setup(name, around, inner, loss, STATELESS_PROBE)

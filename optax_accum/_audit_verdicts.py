@@ -20,6 +20,7 @@ from optax_accum._audit_report import (
   place_in_state,
 )
 from optax_accum._audit_runs import LoopRun, Path, Reference
+from optax_accum._audit_terms import TermsEvidence, terms_verdict
 from optax_accum._audit_windows import Windows, window_verdicts
 
 #: Relative difference between learning rates that counts.
@@ -46,6 +47,7 @@ class Evidence:
     run: The setup's run.
     steps: Updates before the restart.
     chained: Whether the accumulator sits inside the optimizer.
+    terms: With loss terms, what the ``terms`` verdict weighs.
   """
 
   fit: GradientFit | None
@@ -56,6 +58,7 @@ class Evidence:
   run: LoopRun
   steps: int
   chained: bool
+  terms: TermsEvidence | None = None
 
 
 def _gradient_verdicts(
@@ -77,6 +80,9 @@ def _gradient_verdicts(
       None,
     )
   off = f"gradient off by {fit.error:.1e}"
+  if fit.kind == "terms":
+    na = Verdict("n/a", "a loss term is weighted by another count (see terms)")
+    return na, na, None
   if fit.kind in ("last", "dropped"):
     return (
       Verdict("n/a", "micro-batches are missing from the gradient"),
@@ -89,7 +95,7 @@ def _gradient_verdicts(
       Verdict(
         "FOUND",
         f"{off}: it is {fit.what} (tokens {lo:.0f}-{hi:.0f})",
-        FIXES["F1"],
+        FIXES["terms"] if r.term_weights else FIXES["F1"],
       ),
       Verdict("ok", "every micro-batch is in the gradient"),
       None,
@@ -204,6 +210,8 @@ def verdicts(r: AuditReport, evidence: Evidence) -> dict[str, Verdict]:
   v["F1"], v["F6"], gradient_problem = _gradient_verdicts(
     r, evidence.fit, evidence.probe
   )
+  if evidence.terms is not None:
+    v["terms"] = terms_verdict(evidence.terms, evidence.fit)
   explained = any(x.status == "FOUND" for x in v.values())
   problems, fix = _nonfinite_problems(reference, run)
   if not any(reference.changed):
@@ -225,7 +233,7 @@ def verdicts(r: AuditReport, evidence: Evidence) -> dict[str, Verdict]:
     if problems
     else Verdict("ok", "nothing else differs")
   )
-  return {failure: v[failure] for failure in FAILURES}
+  return {failure: v[failure] for failure in FAILURES if failure in v}
 
 
 def _nonfinite_problems(reference: Reference, run: LoopRun) -> tuple[list[str], str]:

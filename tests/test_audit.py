@@ -884,6 +884,17 @@ def test_summed_window_gradient_is_reported_with_its_scale():
   assert report.verdicts["F1"].status == "n/a"
 
 
+def test_a_micro_batch_of_padding_is_not_reported_as_dropped():
+  """optax.MultiSteps with micro-batch 3 all padding: its gradient is 0, so no
+  coefficient can show it missing; the mean of micro-batch means is F1."""
+  batch = make_batch()
+  batch["mask"][2::K] = False
+  report = _audit(optax_multisteps_loop, batch=batch)
+  assert report.tokens[2] == 0
+  assert report.found() == {"F1"}, str(report)
+  assert report.verdicts["F6"].status == "ok"
+
+
 # --- the optimizer itself, and odd inputs ------------------------------------------
 
 
