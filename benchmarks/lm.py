@@ -8,7 +8,7 @@ valid tokens, AdamW) and each ``k``, in one process, timed as loops run
 medians with the spread over rounds), per window of ``k`` micro-batches:
 
 - ``floor``: ``k`` bare accumulate calls (gradient and weighted add, the
-  faster of a hand-written one and the step's own program) and one AdamW call;
+  fastest of two hand-written ones and the step's own program) and one AdamW call;
 - ``stream``: ``make_train_step`` streaming; ``in own jit``: the same step
   traced inside the caller's ``jit``; ``optax.MultiSteps``;
 - ``scan``: ``make_train_step(mode="scan")``, against a hand-written window

@@ -23,10 +23,14 @@ def test_benchmark_smoke(tmp_path):
   k4 = saved["runs"][1]
   assert {
     "stream / (limit + optimizer/k)",
+    "stream / hand-written stream",
     "stream temp bytes / optax (+1 KiB)",
   } <= set(k4["targets"])
-  for entry in ("limit", "optax", "stream", "stream_in_graph", "scan", "whole"):
+  timed = ("limit", "limit_flat", "optax", "stream", "stream_in_graph", "scan", "whole")
+  timed += ("stream_handwritten", "optimizer_flat", "stream_flat_optimizer")
+  for entry in timed:
     assert k4["results"][entry]["ms"] > 0
+  assert k4["results"]["limit"]["source"] in accumulation.LIMITS
   assert [row["leaves"] for row in saved["host_overhead"]] == [10]
   assert "| mlp-64x2-b4 | 4 |" in (tmp_path / "smoke.md").read_text()
 
@@ -39,6 +43,7 @@ def test_a_variant_faster_than_its_bound_is_reported():
       "limit",
       "stream",
       "stream_in_graph",
+      "stream_handwritten",
       "optax",
       "scan",
       "scan_limit",
@@ -54,6 +59,8 @@ def test_a_variant_faster_than_its_bound_is_reported():
   ]
   results["scan_handwritten"]["min"] = 9.5  # The hand-written window too.
   assert len(accumulation.bounds_violated(results)) == 2
+  results["stream_handwritten"]["min"] = 9.5  # And the hand-written stream.
+  assert len(accumulation.bounds_violated(results)) == 3
 
 
 @pytest.mark.slow
