@@ -142,18 +142,30 @@ class Programs:
     return grads, value, weight, aux
 
   def _term_grads(self, params: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Each loss term's gradient, value and weight (tuples in the terms'
-    order): one forward pass, one backward pass per term."""
+    """Each loss term's gradient, value and weight (tuples in the terms' order).
+
+    One backward pass per term, from that term alone. Pulling all terms back
+    at once, with a cotangent of 0 for the others, would turn one term's NaN
+    or inf (a mean over no tokens, 0/0, at weight 0) into NaN in every term's
+    gradient (0 * NaN). The forward passes are the same ops on the same
+    inputs, and XLA computes them once.
+    """
     names = self.config.terms
     assert names is not None
 
-    def values(p: Any) -> tuple[Any, Any]:
-      terms, aux = self._term_parts(self.loss_fn(p, *args))
-      return tuple(terms[n][0] for n in names), (tuple(terms[n][1] for n in names), aux)
+    def term(i: int) -> Callable[[Any], tuple[Any, Any]]:
+      def value(p: Any) -> tuple[Any, Any]:
+        terms, aux = self._term_parts(self.loss_fn(p, *args))
+        values = tuple(terms[n][0] for n in names)
+        return values[i], (values, tuple(terms[n][1] for n in names), aux)
 
-    vals, pullback, (weights, aux) = jax.vjp(values, params, has_aux=True)
-    grads = tuple(pullback(_one_hot(vals, i))[0] for i in range(len(names)))
-    return grads, vals, weights, aux
+      return value
+
+    grads = []
+    for i in range(len(names)):
+      grad, (values, weights, aux) = jax.grad(term(i), has_aux=True)(params)
+      grads.append(grad)
+    return tuple(grads), values, weights, aux
 
   def _term_parts(self, out: Any) -> tuple[dict[str, Any], Any]:
     """The dict of terms ``{name: (value, weight)}`` and the aux, checked."""
@@ -316,13 +328,6 @@ class Programs:
     if self.has_aux:
       out["aux"] = aux
     return params, inner, counters(new), out
-
-
-def _one_hot(values: tuple[Any, ...], i: int) -> tuple[Any, ...]:
-  """Cotangents that pull back the ``i``-th value alone."""
-  return tuple(
-    jnp.ones_like(v) if j == i else jnp.zeros_like(v) for j, v in enumerate(values)
-  )
 
 
 def _own_zeros(reduction: Any) -> Callable[[jax.Array], jax.Array]:
