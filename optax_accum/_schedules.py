@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_accum._multi_steps import WINDOW_WEIGHT
+from optax_accum._multi_steps import WINDOW_MICRO_STEPS, WINDOW_WEIGHT
 
 ProgressUnit = Literal["updates", "weight"]
 
@@ -73,7 +73,10 @@ class ProgressSchedule:
     )
 
   def update(self, state: ProgressState, **extra_args: Any) -> ProgressState:
-    """Counts one optimizer call: an update unless ``window_weight`` is 0."""
+    """Counts one optimizer call: an update unless ``window_weight`` is 0 in a
+    loop's own call (``MultiSteps`` calls only to apply one; it says so with
+    ``window_micro_steps``, and with loss terms its ``window_weight``, the
+    first term's, may be 0 in a window another term updates)."""
     weight = extra_args.get(WINDOW_WEIGHT)
     if weight is None:
       if self.unit == "weight":
@@ -84,12 +87,13 @@ class ProgressSchedule:
         )
       return state._replace(updates=optax.safe_increment(state.updates))
     weight = jnp.asarray(weight).astype(state.remainder.dtype)
-    applied = jnp.isfinite(weight) & (weight > 0)
+    has_items = jnp.isfinite(weight) & (weight > 0)
+    applied = has_items | (WINDOW_MICRO_STEPS in extra_args)
     updates = jnp.where(applied, optax.safe_increment(state.updates), state.updates)
     if self.per_update is None:
       return state._replace(updates=updates)
     per_update = jnp.asarray(self.per_update, state.remainder.dtype)
-    remainder = state.remainder + jnp.where(applied, weight, jnp.zeros_like(weight))
+    remainder = state.remainder + jnp.where(has_items, weight, jnp.zeros_like(weight))
     carry = jnp.floor(remainder / per_update)  # Whole nominal updates, >= 0.
     # Split the carry in base 2**30 (exact: a power of two) before any int cast.
     base = jnp.asarray(WHOLE_BASE, carry.dtype)
@@ -153,7 +157,10 @@ def progress_schedule(
   optimizer on every micro-step passes ``window_weight=`` itself: the window's
   items on the call that ends it, 0 on every other call. Calls with
   ``window_weight`` 0 (or negative, or not finite) count nothing, so the value
-  stays constant within a window. Without ``window_weight`` every call counts
+  stays constant within a window, unless they pass ``window_micro_steps`` as
+  ``MultiSteps`` does: it calls the optimizer only to apply an update, and
+  with loss terms its ``window_weight`` is the first term's, which may be 0
+  where another term updates. Without ``window_weight`` every call counts
   as one update (``unit="updates"`` only).
 
   Args:
