@@ -3,12 +3,14 @@
 Each example draws a configuration (leaf dtypes and shapes, ``every_k_schedule``
 int or callable, ``use_grad_mean``, ``grad_reduction``, ``on_nonfinite``,
 ``should_skip_update_fn``, ``accumulator_dtype``, ``progress_schedule`` unit,
-weights passed or not or returned as a Python constant, rng keys typed or raw)
-and a stream of micro-batches (weights that are 0, constant, fractional,
-negative, NaN, inf or huge; gradients and losses with NaN or inf; early
+weights passed or not or returned as a Python constant, rng keys typed or raw,
+loss terms in a share of the examples: 2 or 3, each with its own weights) and a
+stream of micro-batches (weights that are 0, constant, fractional, negative,
+NaN, inf or huge, per term; gradients and losses with NaN or inf; early
 ``end_window``; rejections), runs it through one call path (``PATHS``), and
-compares every call's update or params, state counters, window sums, metrics
-and keys with :mod:`reference_model`.
+compares every call's update or params, state counters, window sums (each
+term's), metrics (each term's mean and weight) and keys with
+:mod:`reference_model`.
 
 CI runs ``DEFAULT_EXAMPLES`` examples in all, spread evenly over the paths;
 ``OPTAX_ACCUM_REFERENCE_EXAMPLES`` sets another total for a long run::
@@ -20,6 +22,7 @@ Seeds are fixed: example ``seed`` of a path is the same on every run.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -111,6 +114,7 @@ def _optimizer(config: ref.Config) -> optax_accum.MultiSteps:
     accumulator_dtype=config.accumulator_dtype,
     grad_reduction=config.grad_reduction,
     on_nonfinite=config.on_nonfinite,
+    terms=config.terms,
   )
 
 
@@ -122,26 +126,46 @@ def _loss_fn_for(config: ref.Config, contract: bool = False):
   data is the aux output. ``contract``: each row's ``g`` meets the params in
   a contraction (as a matmul weight does), which JAX types for params cast
   to ``reduced`` on an Explicit mesh; otherwise in an elementwise product.
+  With loss terms, a dict ``{name: (value, weight)}`` of such losses (in
+  sorted order, not the declared one), each from its own ``g``, ``l`` and
+  ``w``.
   """
 
-  def loss_fn(params, batch, key=None):
+  def value(params, grads, losses):
     zero = jnp.zeros([], jnp.float32)  # NaN where a gradient is not: inf * 0.
     for name, p in params.items():
       p = p.astype(jnp.promote_types(p.dtype, jnp.float32))
-      g = batch["g"][name].astype(p.dtype)
+      g = grads[name].astype(p.dtype)
       d = p - jax.lax.stop_gradient(p)
       if contract:
         zero = zero + jnp.sum(jnp.tensordot(g, d, axes=d.ndim))
       else:
         zero = zero + jnp.sum(d[None] * g)
-    loss = jnp.sum(batch["l"])
-    loss = loss + zero.astype(loss.dtype)
-    weight = config.constant_weight if config.literal_weight else jnp.sum(batch["w"])
+    loss = jnp.sum(losses)
+    return loss + zero.astype(loss.dtype)
+
+  def weight(rows, constant):
+    return constant if config.literal_weight and constant is not None else jnp.sum(rows)
+
+  def loss_fn(params, batch, key=None):
+    if config.terms is None:
+      out = value(params, batch["g"], batch["l"])
+      rest = weight(batch["w"], config.constant_weights[0])
+    else:
+      constants = dict(zip(config.terms, config.constant_weights, strict=True))
+      out = {
+        name: (
+          value(params, batch["g"][name], batch["l"][name]),
+          weight(batch["w"][name], constants[name]),
+        )
+        for name in sorted(config.terms)
+      }
+      rest = None
     if key is None:
-      return loss, weight
+      return out if rest is None else (out, rest)
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
       key = jax.random.key_data(key)
-    return loss, (weight, key)
+    return (out, key) if rest is None else (out, (rest, key))
 
   return loss_fn
 
@@ -172,16 +196,35 @@ def _key_data(key, n: int, replica: int | None = None) -> np.ndarray:
   return np.asarray(key)
 
 
-def _batch(config: ref.Config, mb: ref.MicroBatch) -> dict:
-  """A micro-batch as the loss reads it: one row per replica."""
+def _rows(config: ref.Config, mb: ref.MicroBatch, term: int) -> dict:
+  """One term of a micro-batch (the whole loss without terms) as the loss
+  reads it: one row per replica."""
   return {
     "g": {
-      name: np.stack([r.grads[name] for r in mb.replicas]).astype(ref.DTYPES[dtype])
+      name: np.stack([r.terms[term].grads[name] for r in mb.replicas]).astype(
+        ref.DTYPES[dtype]
+      )
       for name, _, dtype in config.leaves
     },
-    "l": np.asarray([r.loss for r in mb.replicas], np.float32),
-    "w": np.asarray([r.weight for r in mb.replicas], np.float32),
+    "l": np.asarray([r.terms[term].loss for r in mb.replicas], np.float32),
+    "w": np.asarray([r.terms[term].weight for r in mb.replicas], np.float32),
   }
+
+
+def _by_term(config: ref.Config, parts: list[dict]) -> dict:
+  """Each term's rows as one batch: ``batch[key][term]``, or the one term's."""
+  if config.terms is None:
+    (part,) = parts
+    return part
+  return {
+    key: {name: part[key] for name, part in zip(config.terms, parts, strict=True)}
+    for key in ("g", "l", "w")
+  }
+
+
+def _batch(config: ref.Config, mb: ref.MicroBatch) -> dict:
+  """A micro-batch as the loss reads it: one row per replica."""
+  return _by_term(config, [_rows(config, mb, i) for i in range(config.term_count)])
 
 
 def _stack(batches: list[dict]) -> dict:
@@ -218,9 +261,10 @@ def _observe(state, updates=None, params=None, metrics=None) -> dict:
     "progress_updates": int(injected.hyperparams_states["learning_rate"].updates),
     "learning_rate": float(injected.hyperparams["learning_rate"]),
     "window_weight": float(recorded["weight"]),
-    "acc_weight": float(state.acc_weight),
-    "acc_loss": float(state.acc_loss),
-    "acc_grads": state.acc_grads,
+    # One entry per term (tuples in the state), or the one window's.
+    "acc_weight": [float(w) for w in _per_term(state.acc_weight)],
+    "acc_loss": [float(loss) for loss in _per_term(state.acc_loss)],
+    "acc_grads": _per_term(state.acc_grads),
   }
   if state.skip_state != ():
     obs["skip_step"] = int(state.skip_state["step"])
@@ -236,7 +280,17 @@ def _observe(state, updates=None, params=None, metrics=None) -> dict:
       obs[f"m_{name}"] = float(metrics[name])
     if "aux" in metrics:
       obs["aux"] = np.asarray(metrics["aux"])
+    if "terms" in metrics:
+      obs["m_terms"] = {
+        name: {"loss": float(term["loss"]), "weight": float(term["weight"])}
+        for name, term in metrics["terms"].items()
+      }
   return obs
+
+
+def _per_term(x) -> list:
+  """A state field's entries, one per loss term (tuples), or ``[x]``."""
+  return list(x) if isinstance(x, tuple) else [x]
 
 
 def _index(tree, i):
@@ -268,18 +322,21 @@ def _run_update(config, plan, rng, key, *, jit):
   state = opt.init(params)
   update = jax.jit(opt.update) if jit else opt.update
   observed = []
+
+  def weight_of(term):  # As a loader might pass it.
+    if jit:
+      return np.float32(term.weight)
+    return [term.weight, np.float32(term.weight)][rng.integers(2)]
+
   for (mb,), _ in plan:
-    (r,) = mb.replicas
-    grads = {n: jnp.asarray(b[0]) for n, b in _batch(config, mb)["g"].items()}
+    grads, weight, loss = _update_args(
+      config, mb, weight_of if config.pass_weight else None
+    )
     kwargs = {}
     if config.pass_weight:
-      kwargs["weight"] = (
-        np.float32(r.weight)
-        if jit
-        else [r.weight, np.float32(r.weight)][rng.integers(2)]
-      )
+      kwargs["weight"] = weight
     if config.pass_loss:
-      kwargs["loss"] = np.float32(r.loss)
+      kwargs["loss"] = loss
     if jit:
       kwargs["end_window"] = jnp.asarray(mb.end_window)
     elif mb.end_window or rng.random() < 0.5:
@@ -287,6 +344,23 @@ def _run_update(config, plan, rng, key, *, jit):
     updates, state = update(grads, state, params, **kwargs)
     observed.append(_observe(state, updates=updates))
   return params0, observed
+
+
+def _update_args(config, mb, weight_of):
+  """A one-replica micro-batch as ``MultiSteps.update`` takes it: gradient,
+  weight (``weight_of(term)``, or ``None``) and loss; with loss terms, dicts
+  by term name."""
+  (r,) = mb.replicas
+  grads = jax.tree.map(lambda rows: jnp.asarray(rows[0]), _batch(config, mb)["g"])
+  if weight_of is None:
+    weight_of = lambda term: None  # noqa: E731
+  if config.terms is None:
+    (term,) = r.terms
+    return grads, weight_of(term), np.float32(term.loss)
+  by_name = dict(zip(config.terms, r.terms, strict=True))
+  weights = {name: weight_of(term) for name, term in by_name.items()}
+  losses = {name: np.float32(term.loss) for name, term in by_name.items()}
+  return grads, weights, losses
 
 
 def _mesh(replicas, explicit=False):
@@ -305,9 +379,9 @@ def _run_update_shard_map(config, plan, rng, key):
   def call(grads, state, weight, loss, end):
     kwargs = {"end_window": end}
     if config.pass_weight:
-      kwargs["weight"] = weight[0]
+      kwargs["weight"] = jax.tree.map(lambda w: w[0], weight)
     if config.pass_loss:
-      kwargs["loss"] = loss[0]
+      kwargs["loss"] = jax.tree.map(lambda v: v[0], loss)
     grads = jax.tree.map(lambda g: g[0], grads)
     updates, state = opt.update(grads, state, params, **kwargs)
     return jax.tree.map(lambda x: jnp.asarray(x)[None], (updates, state))
@@ -463,34 +537,48 @@ def _run_jit_sharded(config, plan, rng, key, explicit=False):
   state = opt.init(params)
   observed = []
   for (mb,), _ in plan:
-    batch = _batch(config, mb)
-    rows = {
-      "g": {
-        n: np.concatenate([g, np.zeros((devices - 1, *g.shape[1:]), g.dtype)])
-        for n, g in batch["g"].items()
-      },
-      "l": np.concatenate([batch["l"], np.zeros(devices - 1, np.float32)]),
-      "w": np.zeros(devices, np.float32),
-    }
-    w = float(batch["w"][0])
-    if math.isfinite(w) and w == int(w) and 0 <= w <= 2**24:
-      cuts = np.sort(rng.integers(0, int(w) + 1, devices - 1))
-      rows["w"][:] = np.diff(np.concatenate([[0], cuts, [int(w)]]))
-    else:
-      rows["w"][0] = w
-    rows = jax.device_put(rows, NamedSharding(mesh, P("data")))
+    parts = [
+      _split_rows(_rows(config, mb, i), devices, rng) for i in range(config.term_count)
+    ]
+    rows = jax.device_put(_by_term(config, parts), NamedSharding(mesh, P("data")))
     params, state, metrics = step(params, state, rows, key, end_window=mb.end_window)
     # On an Explicit mesh each device keeps its partial sum: compare their sum.
-    summed = jax.tree.map(_partial_sums_added, state.acc_grads, params)
-    seen = state._replace(acc_grads=summed)
+    summed = [
+      jax.tree.map(_partial_sums_added, acc, params)
+      for acc in _per_term(state.acc_grads)
+    ]
+    seen = state._replace(acc_grads=tuple(summed) if config.terms else summed[0])
     observed.append(_observe(seen, params=params, metrics=metrics))
   return params0, observed
+
+
+def _split_rows(rows: dict, devices: int, rng: np.random.Generator) -> dict:
+  """One replica's rows as ``devices`` rows: the gradient and loss on the
+  first, the weight split over all of them where it is a whole number."""
+  out = {
+    "g": {
+      n: np.concatenate([g, np.zeros((devices - 1, *g.shape[1:]), g.dtype)])
+      for n, g in rows["g"].items()
+    },
+    "l": np.concatenate([rows["l"], np.zeros(devices - 1, np.float32)]),
+    "w": np.zeros(devices, np.float32),
+  }
+  w = float(rows["w"][0])
+  if math.isfinite(w) and w == int(w) and 0 <= w <= 2**24:
+    cuts = np.sort(rng.integers(0, int(w) + 1, devices - 1))
+    out["w"][:] = np.diff(np.concatenate([[0], cuts, [int(w)]]))
+  else:
+    out["w"][0] = w
+  return out
 
 
 def _partial_sums_added(acc, param):
   """The window's sum from an accumulator with a leading replica axis."""
   acc = np.asarray(acc)
-  return acc.sum(0, dtype=acc.dtype) if acc.ndim == np.ndim(param) + 1 else acc
+  if acc.ndim != np.ndim(param) + 1:
+    return acc
+  with np.errstate(invalid="ignore", over="ignore"):  # inf + -inf: NaN, as wanted.
+    return acc.sum(0, dtype=acc.dtype)
 
 
 def _run_jit_axis_name(config, plan, rng, key):
@@ -516,7 +604,8 @@ def _run_jit_axis_name(config, plan, rng, key):
       params, state, metrics = step(params, state, batch, key, end_window=end)
     keys = metrics.pop("aux", None)
     # The state holds each replica's partial sum: compare the window's sum.
-    summed = jax.tree.map(lambda a: np.asarray(a).sum(0), state.acc_grads)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf + -inf: NaN.
+      summed = jax.tree.map(lambda a: np.asarray(a).sum(0), state.acc_grads)
     observed.append(
       _observe(state._replace(acc_grads=summed), params=params, metrics=metrics)
     )
@@ -554,8 +643,9 @@ def _library_view(stream, train_step):
     return stream
   for mb in stream:
     for r in mb.replicas:
-      if not all(np.isfinite(g).all() for g in r.grads.values()):
-        r.loss = math.nan
+      for t in r.terms:
+        if not all(np.isfinite(g).all() for g in t.grads.values()):
+          t.loss = math.nan
   return stream
 
 
@@ -580,13 +670,22 @@ def _plan(path, stream, rng):
   return [([mb], False) for mb in stream]
 
 
+def draws_terms(seed: int) -> bool:
+  """Whether example ``seed`` of a path draws loss terms: 2 in 7 (in CI, one
+  of the 5 examples of each path). Every path takes them."""
+  return seed % 7 in (2, 5)
+
+
 def draw_example(path: str, seed: int):
   """A configuration, a call plan and its expected results (redrawn if ambiguous)."""
   replicas, train_step = PATHS[path]
   for attempt in range(100):
     rng = np.random.default_rng([zlib.crc32(path.encode()), seed, attempt])
     config = ref.draw_config(
-      rng, replicas=replicas or int(rng.choice([2, 4])), train_step=train_step
+      rng,
+      replicas=replicas or int(rng.choice([2, 4])),
+      train_step=train_step,
+      terms=draws_terms(seed),
     )
     stream = ref.draw_stream(rng, config, int(rng.integers(4, 11)), end_window=True)
     stream = _library_view(stream, train_step)
@@ -617,18 +716,40 @@ def check_call(config, expected, obs, previous_params, key, where):
     if name == "micro_steps":
       continue
     assert obs[name] == value, f"{where}: {name} is {obs[name]}, want {value}"
-  for name in ("learning_rate", "window_weight", "acc_weight"):
+  for name in ("learning_rate", "window_weight"):
     value, tol = expected.floats[name]
     _close(obs[name], value, tol, f"{where}: {name}")
-  value, tol = expected.floats["acc_loss"]
-  _close(obs["acc_loss"], value, tol, f"{where}: acc_loss")
+  _check_window(expected, obs, where)
+  _check_updates(config, expected, obs, previous_params, where)
+  if "m_loss" in obs:
+    _check_metrics(config, expected, obs, where)
+    if key is not None:
+      _check_keys(expected, obs, key, where)
+
+
+def _check_window(expected, obs, where):
+  """Each term's weight, loss and sum in the state after the call."""
+  assert len(obs["acc_weight"]) == len(expected.terms), f"{where}: terms in the state"
+  for i, term in enumerate(expected.terms):
+    for name in ("acc_weight", "acc_loss"):
+      value, tol = term[name]
+      _close(obs[name][i], value, tol, f"{where}: {name} of term {i}")
   if expected.acc is not None:
-    for name, (value, tol, bad) in expected.acc.items():
-      got = np.asarray(obs["acc_grads"][name], np.float64)
-      _close(got, np.where(bad, np.nan, value), tol, f"{where}: acc_grads[{name}]")
+    for i, acc in enumerate(expected.acc):
+      for name, (value, tol, bad) in acc.items():
+        got = np.asarray(obs["acc_grads"][i][name], np.float64)
+        want = np.where(bad, np.nan, value)
+        _close(got, want, tol, f"{where}: acc_grads[{name}] of term {i}")
   elif "updates" in obs:  # MultiSteps.update empties the accumulator.
-    for name, acc in obs["acc_grads"].items():
-      np.testing.assert_array_equal(acc, 0.0, err_msg=f"{where}: acc_grads[{name}]")
+    for i, acc in enumerate(obs["acc_grads"]):
+      for name, got in acc.items():
+        np.testing.assert_array_equal(
+          got, 0.0, err_msg=f"{where}: acc_grads[{name}] of term {i}"
+        )
+
+
+def _check_updates(config, expected, obs, previous_params, where):
+  """The update, or the params after it."""
   if "updates" in obs:
     for name, got in obs["updates"].items():
       if expected.update is None:
@@ -647,31 +768,47 @@ def check_call(config, expected, obs, previous_params, key, where):
         value, tol = expected.update[name]
         tol = tol + ref.eps(config.leaf_dtype(name)) * np.abs(before + value)
         _close(got, before + value, tol, f"{where}: params[{name}]")
-  if "m_loss" in obs:
-    c, f = expected.counters, expected.floats
-    want = {
-      "m_micro_steps": c["micro_steps"],
-      "m_updated": c["updated"],
-      "m_update_count": c["gradient_step"],
-      "m_skipped_micro_batches": c["skipped_micro_batches"],
-      "m_skipped_windows": c["skipped_windows"],
-    }
-    for name, value in want.items():
-      assert obs[name] == value, f"{where}: {name} is {obs[name]}, want {value}"
-    for name in ("loss", "weight", "grad_norm", "learning_rate"):
-      value, tol = f[name]
-      _close(obs[f"m_{name}"], value, tol, f"{where}: metrics[{name}]")
-    if key is not None and "replica_keys" in obs:  # Under axis_name.
-      for r, got in enumerate(obs["replica_keys"]):
-        want_keys = np.stack([_key_data(key, n, r) for n in expected.keys])
-        got_keys = got.reshape(want_keys.shape)
-        np.testing.assert_array_equal(
-          got_keys, want_keys, err_msg=f"{where}: keys of replica {r}"
-        )
-    elif key is not None:
-      want_keys = np.stack([_key_data(key, n) for n in expected.keys])
-      got_keys = obs["aux"].reshape(want_keys.shape)
-      np.testing.assert_array_equal(got_keys, want_keys, err_msg=f"{where}: keys")
+
+
+def _check_metrics(config, expected, obs, where):
+  """The train step's metrics, each term's mean and weight among them."""
+  c, f = expected.counters, expected.floats
+  want = {
+    "m_micro_steps": c["micro_steps"],
+    "m_updated": c["updated"],
+    "m_update_count": c["gradient_step"],
+    "m_skipped_micro_batches": c["skipped_micro_batches"],
+    "m_skipped_windows": c["skipped_windows"],
+  }
+  for name, value in want.items():
+    assert obs[name] == value, f"{where}: {name} is {obs[name]}, want {value}"
+  for name in ("loss", "weight", "grad_norm", "learning_rate"):
+    value, tol = f[name]
+    _close(obs[f"m_{name}"], value, tol, f"{where}: metrics[{name}]")
+  if config.terms is None:
+    assert "m_terms" not in obs, f"{where}: metrics['terms'] without terms"
+    return
+  assert set(obs["m_terms"]) == set(config.terms), f"{where}: metrics['terms']"
+  for name, term in zip(config.terms, expected.terms, strict=True):
+    for what in ("loss", "weight"):
+      value, tol = term[what]
+      got = obs["m_terms"][name][what]
+      _close(got, value, tol, f"{where}: metrics['terms'][{name!r}][{what!r}]")
+
+
+def _check_keys(expected, obs, key, where):
+  """The keys ``loss_fn`` got: the run's n-th micro-batch's (each replica's)."""
+  if "replica_keys" in obs:  # Under axis_name.
+    for r, got in enumerate(obs["replica_keys"]):
+      want_keys = np.stack([_key_data(key, n, r) for n in expected.keys])
+      got_keys = got.reshape(want_keys.shape)
+      np.testing.assert_array_equal(
+        got_keys, want_keys, err_msg=f"{where}: keys of replica {r}"
+      )
+  else:
+    want_keys = np.stack([_key_data(key, n) for n in expected.keys])
+    got_keys = obs["aux"].reshape(want_keys.shape)
+    np.testing.assert_array_equal(got_keys, want_keys, err_msg=f"{where}: keys")
 
 
 SEEDS = range(math.ceil(EXAMPLES / len(PATHS)))
@@ -684,6 +821,11 @@ def test_path_matches_the_reference(path, seed):
   if (PATHS[path][0] is None or sharded) and jax.device_count() < 4:
     pytest.skip("needs 4 devices")
   config, plan, expected, rng = draw_example(path, seed)
+  run_and_check(path, seed, config, plan, expected, rng)
+
+
+def run_and_check(path, seed, config, plan, expected, rng):
+  """Runs a plan through a path and checks every call against the reference."""
   with jax.enable_x64(config.x64):
     key = _key(config, seed)
     params, observed = RUNNERS[path](config, plan, rng, key)
@@ -694,10 +836,81 @@ def test_path_matches_the_reference(path, seed):
       params = obs.get("params")
 
 
+def _two_terms(**changes) -> ref.Config:
+  """Two terms ``("ce", "aux")`` on one float32 leaf of 3 elements."""
+  config = ref.Config(
+    leaves=(("p0", (3,), "float32"),),
+    every_k=2,
+    use_grad_mean=True,
+    grad_reduction="mean",
+    on_nonfinite="skip_window",
+    skip_fn=False,
+    accumulator_dtype=None,
+    unit="updates",
+    per_update=None,
+    pass_weight=True,
+    constant_weights=(None, None),
+    literal_weight=False,
+    pass_loss=True,
+    rng=None,
+    replicas=1,
+    x64=False,
+    terms=("ce", "aux"),
+  )
+  return dataclasses.replace(config, **changes)
+
+
+def _micro_batch(*terms) -> ref.MicroBatch:
+  """One replica's micro-batch of ``(gradient, weight, loss)`` per term."""
+  return ref.MicroBatch(
+    [
+      ref.Replica(
+        [ref.Term({"p0": np.asarray(g, float)}, w, v) for g, w, v in terms], False
+      )
+    ]
+  )
+
+
+def _check_stream(path, config, stream):
+  plan = [([mb], False) for mb in stream]
+  model = ref.Reference(config)
+  expected = [model.call(mbs, is_scan) for mbs, is_scan in plan]
+  stream = _library_view(stream, PATHS[path][1])
+  run_and_check(path, 0, config, plan, expected, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("path", ["stream", "update_jit"])
+def test_a_nonfinite_term_of_weight_0_leaves_the_others_alone(path):
+  """A micro-batch without ce tokens (its mean 0/0: NaN gradient, weight 0)
+  adds only its aux term. (The train step pulled all terms back through one
+  ``jax.vjp``, which made aux's gradient NaN, 0 * NaN, and skipped the
+  window; found by this model, issue 28.)"""
+  stream = [
+    _micro_batch(([1.0, 2.0, 3.0], 3.0, 0.5), ([1.0, 1.0, 1.0], 1.0, 0.25)),
+    _micro_batch(([math.nan] * 3, 0.0, math.nan), ([2.0, 2.0, 2.0], 1.0, 0.25)),
+  ]
+  _check_stream(path, _two_terms(), stream)
+
+
+@pytest.mark.parametrize("path", ["stream", "update_jit"])
+def test_progress_counts_an_update_whose_first_term_has_no_weight(path):
+  """Three updates, the second with ce (the first term) of weight 0: each
+  counts. (``progress_schedule`` counted an update only where
+  ``window_weight``, the first term's, was positive, so the third update
+  repeated the second's learning rate; found by this model, issue 28.)"""
+  stream = [
+    _micro_batch(([1.0, 2.0, 3.0], w, 0.5), ([1.0, 1.0, 1.0], 1.0, 0.25))
+    for w in (3.0, 0.0, 3.0)
+  ]
+  _check_stream(path, _two_terms(every_k=1), stream)
+
+
 def test_the_examples_exercise_every_documented_case():
   """The drawn examples are not vacuous: over the seeds this run uses, the
-  reference applies updates and meets every case of the README's table."""
+  reference applies updates and meets every case of the README's table and
+  of windows of loss terms, which every path draws."""
   stats: dict[str, int] = {}
+  paths_with_terms = set()
   for path in PATHS:
     for seed in SEEDS:
       config, plan, _, _ = draw_example(path, seed)
@@ -706,5 +919,8 @@ def test_the_examples_exercise_every_documented_case():
         model.call(mbs, is_scan)
       for name, count in model.stats.items():
         stats[name] = stats.get(name, 0) + count
+      if config.terms is not None:
+        paths_with_terms.add(path)
   assert all(count > 0 for count in stats.values()), stats
   assert stats["applied"] >= len(PATHS) * len(SEEDS), stats
+  assert paths_with_terms == set(PATHS), set(PATHS) - paths_with_terms
