@@ -319,3 +319,112 @@ def test_terms_match_a_float64_reference(seed):
         np.testing.assert_allclose(
           float(metrics["loss"]), objective, rtol=1e-12, atol=1e-12
         )
+
+
+def _unguarded(params, batch):
+  """``term_loss`` as users write it: each mean divides by its count, so a
+  micro-batch of padding only gives 0/0 = NaN, at weight 0."""
+  losses, mask, penalty, sequences = _term_values(params, batch)
+  terms = term_loss(params, batch)
+  terms["ce"] = (losses.sum() / mask.sum(), mask.sum())
+  terms["penalty"] = (penalty.sum() / sequences.sum(), sequences.sum())
+  return terms
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+def test_a_term_over_no_items_is_nan_and_adds_nothing(mode):
+  """A micro-batch of padding only, last in its window: ce and penalty are
+  NaN at weight 0, aux still counts, and the window updates as the whole
+  batch does. (On this loss XLA also cleared the NaN that one pullback of all
+  terms let into aux's gradient; `test_reference.py::test_a_nonfinite_term_
+  of_weight_0_leaves_the_others_alone` is the loss where it did not.)"""
+  sizes = [3, 3, 3, 3]
+  windows = [[*w[:1], *w[2:], w[1]] for w in _windows(sizes)]
+  opt = optax_accum.MultiSteps(_adamw(), len(sizes), terms=TERMS)
+  step = optax_accum.make_train_step(_unguarded, opt, mode=mode)
+  params = toy_lm.init_params(seed=0)
+  state = step.init(params)
+  for window in windows:
+    if mode == "scan":
+      window = [jax.tree.map(lambda *x: np.stack(x), *window)]
+    for batch in window:
+      params, state, metrics = step(params, state, batch)
+    assert bool(metrics["updated"]), metrics
+  assert int(metrics["skipped_windows"]) == int(metrics["skipped_micro_batches"]) == 0
+  assert toy_lm.max_rel_diff(params, _whole_batch_run(windows, _adamw())) <= 1e-5
+
+
+def test_terms_of_an_nnx_model_with_attention():
+  """An NNX model with causal attention, split and merged around the step, a
+  token CE, a per-sequence penalty and a per-micro-batch aux term: within f32
+  rounding of the whole window's objective after two AdamW windows (the key
+  bias, whose gradient softmax makes rounding noise, left out)."""
+  from flax import nnx
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      width = toy_lm.WIDTH
+      self.embed = nnx.Embed(toy_lm.VOCAB, width, rngs=rngs)
+      self.attn = nnx.MultiHeadAttention(2, width, decode=False, rngs=rngs)
+      self.head = nnx.Linear(width, toy_lm.VOCAB, rngs=rngs)
+
+    def __call__(self, inputs):
+      h = self.embed(inputs)
+      return self.head(jnp.tanh(h + self.attn(h, mask=nnx.make_causal_mask(inputs))))
+
+  graphdef, params0 = nnx.split(Model(nnx.Rngs(0)), nnx.Param)
+
+  def terms_fn(params, batch):
+    logits = nnx.merge(graphdef, params)(batch["inputs"])
+    logp = jax.nn.log_softmax(logits)
+    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+    mask = jnp.asarray(batch["mask"], jnp.float32)
+    rows = mask.sum(axis=1)
+    has_tokens = (rows > 0).astype(jnp.float32)
+    per_sequence = (nll * mask).sum(axis=1) / jnp.maximum(rows, 1) * has_tokens
+    embed = params["embed"]["embedding"][...]
+    return {
+      "ce": ((nll * mask).sum() / jnp.maximum(mask.sum(), 1), mask.sum()),
+      "penalty": (
+        per_sequence.sum() / jnp.maximum(has_tokens.sum(), 1),
+        has_tokens.sum(),
+      ),
+      "aux": (0.1 * jnp.mean(embed**2), jnp.float32(1)),
+    }
+
+  def objective(params, window):
+    whole = {n: np.concatenate([mb[n] for mb in window]) for n in window[0]}
+    per = [terms_fn(params, mb) for mb in window]
+    tokens = sum(t["ce"][1] for t in per)
+    sequences = sum(t["penalty"][1] for t in per)
+    return (
+      sum(t["ce"][0] * t["ce"][1] for t in per) / tokens
+      + sum(t["penalty"][0] * t["penalty"][1] for t in per) / sequences
+      + terms_fn(params, whole)["aux"][0]
+    )
+
+  windows = _windows([1, 4, 9, 2])[:2]
+  tx = _adamw()
+  step = optax_accum.make_train_step(
+    terms_fn, optax_accum.MultiSteps(tx, 4, terms=TERMS)
+  )
+  params, state = params0, step.init(params0)
+  whole, whole_state = jax.tree.map(jnp.copy, params0), tx.init(params0)
+  for window in windows:
+    for micro_batch in window:
+      params, state, metrics = step(params, state, micro_batch)
+    grads = jax.grad(objective)(whole, window)
+    whole, whole_state = _apply(tx, whole, whole_state, grads)
+  assert int(metrics["update_count"]) == 2
+  paths = [
+    jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)
+  ]
+  pairs = zip(paths, jax.tree.leaves(params), jax.tree.leaves(whole), strict=True)
+  compared = 0
+  for path, a, b in pairs:
+    if "'key'" in path and "'bias'" in path:  # Rounding noise, Adam-normalised.
+      continue
+    scale = np.abs(np.asarray(b)).max()
+    assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5 * scale, path
+    compared += 1
+  assert compared == len(paths) - 1
