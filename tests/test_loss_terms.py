@@ -100,22 +100,27 @@ def _adamw():
   return optax.adamw(3e-2, weight_decay=0.1)
 
 
-@pytest.mark.parametrize("mode", ["stream", "scan"])
-def test_each_term_keeps_its_own_weight_over_the_window(mode):
-  sizes = [5, 5, 5, 5] if mode == "scan" else [1, 4, 9, 2]
-  windows = _windows(sizes)
-  opt = optax_accum.MultiSteps(_adamw(), len(sizes), terms=TERMS)
-  step = optax_accum.make_train_step(term_loss, opt, mode=mode)
+def _train(loss_fn, windows, mode):
+  """Params and the last metrics after the windows, each one update, with
+  AdamW and the three terms."""
+  opt = optax_accum.MultiSteps(_adamw(), len(windows[0]), terms=TERMS)
+  step = optax_accum.make_train_step(loss_fn, opt, mode=mode)
   params = toy_lm.init_params(seed=0)
   state = step.init(params)
   for window in windows:
     if mode == "scan":
-      stacked = jax.tree.map(lambda *x: np.stack(x), *window)
-      params, state, metrics = step(params, state, stacked)
-    else:
-      for micro_batch in window:
-        params, state, metrics = step(params, state, micro_batch)
-    assert bool(metrics["updated"])
+      window = [jax.tree.map(lambda *x: np.stack(x), *window)]
+    for batch in window:
+      params, state, metrics = step(params, state, batch)
+    assert bool(metrics["updated"]), metrics
+  return params, metrics
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+def test_each_term_keeps_its_own_weight_over_the_window(mode):
+  sizes = [5, 5, 5, 5] if mode == "scan" else [1, 4, 9, 2]
+  windows = _windows(sizes)
+  params, metrics = _train(term_loss, windows, mode)
   whole = _whole_batch_run(windows, _adamw())
   assert toy_lm.max_rel_diff(toy_lm.init_params(seed=0), whole) > 1e-2
   assert toy_lm.max_rel_diff(params, whole) <= 1e-5
@@ -340,16 +345,7 @@ def test_a_term_over_no_items_is_nan_and_adds_nothing(mode):
   of_weight_0_leaves_the_others_alone` is the loss where it did not.)"""
   sizes = [3, 3, 3, 3]
   windows = [[*w[:1], *w[2:], w[1]] for w in _windows(sizes)]
-  opt = optax_accum.MultiSteps(_adamw(), len(sizes), terms=TERMS)
-  step = optax_accum.make_train_step(_unguarded, opt, mode=mode)
-  params = toy_lm.init_params(seed=0)
-  state = step.init(params)
-  for window in windows:
-    if mode == "scan":
-      window = [jax.tree.map(lambda *x: np.stack(x), *window)]
-    for batch in window:
-      params, state, metrics = step(params, state, batch)
-    assert bool(metrics["updated"]), metrics
+  params, metrics = _train(_unguarded, windows, mode)
   assert int(metrics["skipped_windows"]) == int(metrics["skipped_micro_batches"]) == 0
   assert toy_lm.max_rel_diff(params, _whole_batch_run(windows, _adamw())) <= 1e-5
 
