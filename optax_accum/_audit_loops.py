@@ -15,7 +15,6 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from optax_accum._multi_steps import MultiSteps
@@ -168,16 +167,20 @@ def usual_loop(
 def term_gradients(
   loss: LossView, params: Any, batch: Any
 ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-  """Each loss term's gradient and weight, in ``loss.terms``' order: one forward
-  pass, one backward pass per term."""
-  values, pullback, weights = jax.vjp(
-    lambda p: loss.split(p, batch), params, has_aux=True
-  )
+  """Each loss term's gradient and weight, in ``loss.terms``' order: each
+  gradient from its term alone (one pullback of all terms would carry one
+  term's NaN into the others as 0 * NaN), the shared forward pass computed
+  once by XLA."""
 
-  def one_hot(i: int) -> tuple[Any, ...]:
-    return tuple(
-      jnp.ones_like(v) if j == i else jnp.zeros_like(v) for j, v in enumerate(values)
-    )
+  def term(i: int) -> Callable[[Any], tuple[Any, Any]]:
+    def value(p: Any) -> tuple[Any, Any]:
+      values, weights = loss.split(p, batch)
+      return values[i], weights
 
-  grads = tuple(pullback(one_hot(i))[0] for i in range(len(values)))
-  return grads, weights
+    return value
+
+  grads, weights = [], ()
+  for i in range(len(loss.terms)):
+    grad, weights = jax.grad(term(i), has_aux=True)(params)
+    grads.append(grad)
+  return tuple(grads), weights
