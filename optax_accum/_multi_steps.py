@@ -293,8 +293,7 @@ class MultiSteps:
       state: The current state.
       params: Current params, forwarded to the inner optimizer.
       weight: Items (tokens, samples) behind ``updates``; a scalar, traced or
-        not. Defaults to 1. Required with ``grad_reduction="sum"`` and with
-        ``terms``.
+        not. Defaults to 1. Required with ``terms`` and ``grad_reduction="sum"``.
       end_window: Optional bool scalar, traced or not: end the window with this
         micro-batch even if it holds fewer than ``k`` micro-batches.
       loss: Optional loss of the micro-batch, reduced like its gradient; the
