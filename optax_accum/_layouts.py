@@ -1,6 +1,7 @@
 """Where a train step's accumulator lives for a call, and the programs for it.
 
-One sum, in the programs the step builds first; or per-replica partial sums
+One sum, in the programs the step builds first, packed where the model has
+many small leaves (:mod:`optax_accum._packing`); or per-replica partial sums
 (:class:`optax_accum._replicas.DataLayout`) under plain ``jit``: added in a
 ``shard_map`` with ``axis_name`` (:mod:`optax_accum._replicas`), or in the
 global view with gradients left ``unreduced`` on an ``Explicit`` mesh
@@ -16,8 +17,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from optax_accum import _deferred, _reduction
+from optax_accum import _deferred, _packing, _reduction
 from optax_accum._multi_steps import MultiSteps, MultiStepsState
+from optax_accum._packing import PackedProgram, Packing, Recent
 from optax_accum._programs import Programs, counters
 from optax_accum._replicas import (
   DataLayout,
@@ -29,6 +31,10 @@ from optax_accum._replicas import (
   sharded_programs,
   summed,
 )
+
+#: Where the accumulator lives for a call: one sum (``None``), packed, or
+#: per-replica partial sums.
+Layout = DataLayout | Packing | None
 
 
 def is_traced(*trees: Any) -> bool:
@@ -49,23 +55,26 @@ class Layouts:
     self.mode = mode
     self.donate = donate
     self.one_sum = one_sum
-    self._built: dict[DataLayout, tuple[Any, Any]] = {}
+    self._built: dict[DataLayout | Packing, tuple[Any, Any]] = {}
     self._chosen: dict[Any, DataLayout | None] = {}
+    self._packings: dict[Any, Packing | None] = {}
 
   def arranged(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any = None
-  ) -> tuple[Any, MultiStepsState, DataLayout | None]:
+  ) -> tuple[Any, MultiStepsState, Layout]:
     """Params and ``opt_state`` as this call runs with them: placed as the
     programs return them (see :func:`as_returned`), the accumulator in this
     call's layout.
 
     Under plain ``jit`` (concrete arrays: not inside ``shard_map``) with
     ``axis_name``, or with a batch split over ``Explicit`` data axes, the
-    accumulator holds per-replica partial sums; anywhere else one sum.
-    Called for a state the step did not return last.
+    accumulator holds per-replica partial sums; anywhere else one sum, packed
+    when streaming on one device. Called for a state the step did not return
+    last.
     """
     if is_traced(params, opt_state, batch):
       return params, self._summed(params, opt_state), None
+    opt_state = self._unpacked(params, opt_state)
     mesh = mesh_of(params, batch)
     if mesh is not None:
       params, opt_state = as_returned((params, opt_state), mesh)
@@ -77,7 +86,8 @@ class Layouts:
     else:
       layout = self._deferred_layout(params, opt_state, batch, rng)
     if layout is None:
-      return params, self._summed(params, opt_state), None
+      state = self._summed(params, opt_state)
+      return params, *self._packed(params, state, on_mesh=mesh is not None)
     accs = [per_replica(acc, params, layout) for acc in self._accumulators(opt_state)]
     return params, self._rebuilt(opt_state, accs), layout
 
@@ -91,11 +101,44 @@ class Layouts:
     return opt_state._replace(acc_grads=acc)
 
   def _summed(self, params: Any, opt_state: MultiStepsState) -> MultiStepsState:
-    """``opt_state`` with one sum: per-replica partial sums added up."""
+    """``opt_state`` with one sum: per-replica partial sums added up, packed
+    sums unpacked."""
+    opt_state = self._unpacked(params, opt_state)
     accs = self._accumulators(opt_state)
     if not any(has_partial_sums(acc, params) for acc in accs):
       return opt_state
     return self._rebuilt(opt_state, [summed(acc, params) for acc in accs])
+
+  def _packing(self, params: Any) -> Packing | None:
+    """The packing of the accumulator for ``params``, if it has one."""
+    key = _avals(params)
+    if key not in self._packings:
+      shapes = jax.eval_shape(self.bodies.optimizer.init, params).acc_grads
+      self._packings[key] = _packing.plan(shapes)
+    return self._packings[key]
+
+  def _unpacked(self, params: Any, opt_state: MultiStepsState) -> MultiStepsState:
+    """``opt_state`` with its accumulator unpacked, if it was packed."""
+    packing = self._packing(params)
+    if packing is None or not _packing.is_packed(opt_state.acc_grads, packing):
+      return opt_state
+    return opt_state._replace(acc_grads=_packing.unpack(opt_state.acc_grads, packing))
+
+  def _packed(
+    self, params: Any, opt_state: MultiStepsState, on_mesh: bool
+  ) -> tuple[MultiStepsState, Packing | None]:
+    """``opt_state`` (one sum) packed, where the streaming step's programs on
+    one device can take it so."""
+    config = self.bodies.config
+    one_device = len(_devices(params)) <= 1
+    if self.mode != "stream" or on_mesh or config.axis_name or not one_device:
+      return opt_state, None
+    packing = self._packing(params)
+    if packing is None:
+      return opt_state, None
+    return opt_state._replace(
+      acc_grads=_packing.pack(opt_state.acc_grads, packing)
+    ), packing
 
   def _deferred_layout(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
@@ -129,13 +172,15 @@ class Layouts:
     bodies = self.bodies
     return Programs(bodies.loss_fn, bodies.optimizer, bodies.has_aux, policy)
 
-  def programs(self, layout: DataLayout | None) -> tuple[Any, Any]:
+  def programs(self, layout: Layout) -> tuple[Any, Any]:
     """The accumulate and update programs for one accumulator layout."""
     if layout is None:
       return self.one_sum
     if layout not in self._built:
       scan = self.mode == "scan"
-      if layout.deferred is not None:
+      if isinstance(layout, Packing):
+        built = self._packed_programs(layout)
+      elif layout.deferred is not None:
         bodies = self._bodies_for(_deferred.policy(layout))
         built = _deferred.programs(layout, bodies, scan=scan, donate=self.donate)
       else:
@@ -143,6 +188,24 @@ class Layouts:
         built = sharded_programs(layout, bodies, scan=scan, donate=self.donate)
       self._built[layout] = built
     return self._built[layout]
+
+  def _packed_programs(self, packing: Packing) -> tuple[Any, Any]:
+    """The streaming programs on a packed accumulator (one sum)."""
+    donate, recent = self.donate, Recent(packing)
+    accumulate = PackedProgram(
+      recent, self.bodies.accumulate, 1, 0, (1,) if donate else ()
+    )
+    update = PackedProgram(
+      recent, self.bodies.update, 2, 2, (0, 1, 2) if donate else ()
+    )
+    return accumulate, update
+
+
+def _devices(tree: Any) -> set[Any]:
+  """The devices ``tree``'s arrays are on (host arrays are on none)."""
+  return {
+    d for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) for d in x.devices()
+  }
 
 
 def _avals(tree: Any) -> tuple[Any, ...]:

@@ -18,7 +18,7 @@ import optax
 from jax.typing import ArrayLike
 
 from optax_accum import _checks, _reduction, _terms
-from optax_accum._layouts import Layouts, is_traced
+from optax_accum._layouts import Layout, Layouts, is_traced
 from optax_accum._multi_steps import EveryKSchedule, MultiSteps, MultiStepsState
 from optax_accum._programs import (
   Metrics,
@@ -29,7 +29,6 @@ from optax_accum._programs import (
   metrics,
 )
 from optax_accum._reduction import AxisName
-from optax_accum._replicas import DataLayout
 from optax_accum._state import check_single_accumulation
 
 Mode = Literal["stream", "scan"]
@@ -97,7 +96,7 @@ class _Known(NamedTuple):
   k: int | None  # The window's length; None where it must be read.
   params: Any  # Params the update program returned: fresh, unaliased buffers.
   learning_rate: Any  # The metric (unchanged until the next update), or _UNKNOWN.
-  layout: DataLayout | None = None  # Per-replica partial sums, under jit.
+  layout: Layout = None  # Packed, or per-replica partial sums under jit.
 
   def describes(self, state: MultiStepsState) -> bool:
     return (
@@ -319,7 +318,7 @@ class TrainStep:
     rng: Any,
     *end_window: Any,
     check_aliasing: bool = True,
-    layout: DataLayout | None = None,
+    layout: Layout = None,
   ) -> StepOutput:
     if self.donate and check_aliasing and not is_traced(params, opt_state):
       params, opt_state = _unaliased((params, opt_state), (batch, rng))
@@ -342,7 +341,7 @@ class TrainStep:
     rng: Any,
     learning_rate: jax.Array | None,
     check_aliasing: bool = True,
-    layout: DataLayout | None = None,
+    layout: Layout = None,
   ) -> StepOutput:
     acc = opt_state.acc_grads
     if self.donate and check_aliasing and not is_traced(params, acc):

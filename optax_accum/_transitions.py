@@ -76,7 +76,8 @@ def add_micro_batch(
     grads,
     state.acc_grads,
     name="updates",
-    ref_name="the accumulator (from init(params))",
+    ref_name="the accumulator (from init(params); a train step's state, "
+    "packed or per replica, goes back to that step)",
   )
   if weight is None:
     if config.grad_reduction == "sum":

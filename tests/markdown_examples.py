@@ -26,3 +26,12 @@ def run_examples(path: pathlib.Path) -> int:
     if shown:
       assert out.getvalue().strip() == shown.strip(), f"{path.name}:\n{code}"
   return len(examples)
+
+
+def documented_function(path: pathlib.Path, name: str):
+  """The function ``name`` as the page's one block that defines it does."""
+  blocks = [code for code, _ in python_examples(path.read_text())]
+  (code,) = [code for code in blocks if f"def {name}(" in code]
+  namespace: dict = {}
+  exec(compile(code, str(path), "exec"), namespace)
+  return namespace[name]

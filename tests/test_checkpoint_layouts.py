@@ -21,7 +21,7 @@ import pytest
 import toy_lm
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from markdown_examples import python_examples
+from markdown_examples import documented_function
 
 import optax_accum
 
@@ -33,11 +33,7 @@ PAGE = pathlib.Path(__file__).parent.parent / "docs" / "checkpointing.md"
 
 def _docs_restore():
   """`restore(path, params, opt)` as docs/checkpointing.md defines it."""
-  blocks = [code for code, _ in python_examples(PAGE.read_text())]
-  (code,) = [code for code in blocks if "def restore(" in code]
-  namespace: dict = {}
-  exec(compile(code, str(PAGE), "exec"), namespace)
-  return namespace["restore"]
+  return documented_function(PAGE, "restore")
 
 
 def _loss(params, batch):

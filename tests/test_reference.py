@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
+from optax_accum import _packing
 
 #: Examples in CI, spread over the paths (about 1 s of CPU each).
 DEFAULT_EXAMPLES = 75  # 5 for each of the 15 paths.
@@ -49,6 +50,7 @@ PATHS = {
   "update_jit": (1, False),
   "update_shard_map": (None, False),
   "stream": (1, True),
+  "stream_packed": (1, True),
   "stream_in_jit": (1, True),
   "stream_in_scan": (1, True),
   "scan": (1, True),
@@ -414,6 +416,12 @@ def _train_step(config, opt, mode="stream", contract=False, **kwargs):
 
 
 def _run_stream(config, plan, rng, key, *, variant):
+  if variant == "packed":  # Sums of every 2 or more leaves of a dtype packed.
+    default, _packing.MIN_LEAVES = _packing.MIN_LEAVES, 2
+    try:
+      return _run_stream(config, plan, rng, key, variant="host")
+    finally:
+      _packing.MIN_LEAVES = default
   opt = _optimizer(config)
   params = _params(config, rng)
   params0 = jax.tree.map(_seen, params)
@@ -445,8 +453,17 @@ def _run_stream(config, plan, rng, key, *, variant):
   for (mb,), _ in plan:
     end = jnp.asarray(mb.end_window) if variant == "in_jit" else mb.end_window
     params, state, metrics = run(params, state, _batch(config, mb), key, end)
-    observed.append(_observe(state, params=params, metrics=metrics))
+    state_ = _unpacked(step, params, state)
+    observed.append(_observe(state_, params=params, metrics=metrics))
   return params0, observed
+
+
+def _unpacked(step, params, state):
+  """``state`` with its accumulator as one sum (unpacked, if it was packed)."""
+  packing = step._layouts._packing(params)
+  if packing is None or not _packing.is_packed(state.acc_grads, packing):
+    return state
+  return state._replace(acc_grads=_packing.unpack(state.acc_grads, packing))
 
 
 def _run_scan(config, plan, rng, key):
@@ -620,6 +637,7 @@ RUNNERS = {
   "update_jit": functools.partial(_run_update, jit=True),
   "update_shard_map": _run_update_shard_map,
   "stream": functools.partial(_run_stream, variant="host"),
+  "stream_packed": functools.partial(_run_stream, variant="packed"),
   "stream_in_jit": functools.partial(_run_stream, variant="in_jit"),
   "stream_in_scan": functools.partial(_run_stream, variant="in_scan"),
   "scan": _run_scan,

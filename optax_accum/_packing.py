@@ -1,0 +1,203 @@
+"""The packed accumulator: many small sums in one buffer per dtype.
+
+Every buffer a program takes or returns costs the host time on every call,
+whatever its size. On a model of many small leaves (an unscanned transformer's
+norms and biases, or hundreds of small layers) the streaming step's
+accumulator then costs more to pass than to add to. In the packed layout the
+step passes one buffer per group of small leaves of one dtype instead: the
+programs cut it into the leaves' sums, run the window arithmetic unchanged,
+and concatenate the sums back, so every result is bit-identical.
+
+``opt_state.acc_grads`` keeps the params' structure, so that a checkpoint
+restores with the recipe of ``docs/checkpointing.md``: the first leaf of each
+group holds the group's sums, flattened and concatenated in tree order, and
+each other leaf of the group a placeholder 0 of shape ``()``, which the host
+keeps and never passes to a program.
+
+Examples:
+  >>> import jax.numpy as jnp
+  >>> acc = {f"b{i}": jnp.full((2,), float(i)) for i in range(3)}
+  >>> packing = plan(acc, min_leaves=2)
+  >>> packed = pack(acc, packing)
+  >>> packed["b0"].tolist(), packed["b1"].shape
+  ([0.0, 0.0, 1.0, 1.0, 2.0, 2.0], ())
+  >>> unpack(packed, packing)["b2"].tolist()
+  [2.0, 2.0]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+#: Leaves of at most this many elements are packed. Packing costs one more
+#: pass over the sums (XLA:CPU computes each leaf's sum apart, then
+#: concatenates them: 8 bytes an element); each buffer not passed saves about
+#: 3 us of host time, in and out: the two break even near 7,500 elements.
+MAX_LEAF_SIZE = 4096
+#: A group of fewer leaves of one dtype is left as it is.
+MIN_LEAVES = 16
+
+
+class Packing(NamedTuple):
+  """Which accumulator leaves share a buffer, and their shapes (the layout)."""
+
+  treedef: Any
+  shapes: tuple[tuple[int, ...], ...]  # Each leaf's own shape, in tree order.
+  groups: tuple[tuple[int, ...], ...]  # Leaf indices; the first holds the buffer.
+
+  @property
+  def rest(self) -> tuple[int, ...]:
+    """The leaves passed as they are."""
+    packed = {i for group in self.groups for i in group}
+    return tuple(i for i in range(len(self.shapes)) if i not in packed)
+
+  def size(self, group: tuple[int, ...]) -> int:
+    return sum(math.prod(self.shapes[i]) for i in group)
+
+
+def plan(
+  acc: Any, max_leaf_size: int | None = None, min_leaves: int | None = None
+) -> Packing | None:
+  """The packing of an accumulator ``acc`` (arrays or shapes, one sum), or
+  ``None`` where no dtype has ``min_leaves`` small leaves (by default
+  :data:`MIN_LEAVES` leaves of at most :data:`MAX_LEAF_SIZE` elements)."""
+  max_leaf_size = MAX_LEAF_SIZE if max_leaf_size is None else max_leaf_size
+  min_leaves = MIN_LEAVES if min_leaves is None else min_leaves
+  leaves, treedef = jax.tree.flatten(acc)
+  by_dtype: dict[Any, list[int]] = {}
+  for i, leaf in enumerate(leaves):
+    if 1 <= math.prod(jnp.shape(leaf)) <= max_leaf_size:
+      by_dtype.setdefault(jnp.dtype(leaf.dtype), []).append(i)
+  groups = tuple(tuple(g) for g in by_dtype.values() if len(g) >= min_leaves)
+  if not groups:
+    return None
+  return Packing(treedef, tuple(tuple(jnp.shape(x)) for x in leaves), groups)
+
+
+def is_packed(acc: Any, packing: Packing) -> bool:
+  """Whether ``acc`` is in ``packing``'s layout (else it is one sum)."""
+  leaves = jax.tree.leaves(acc)
+  return len(leaves) == len(packing.shapes) and all(
+    jnp.shape(leaves[g[0]]) == (packing.size(g),) for g in packing.groups
+  )
+
+
+def pack(acc: Any, packing: Packing) -> Any:
+  """``acc`` (one sum) in the packed layout, on the device of its leaves."""
+  leaves = jax.tree.leaves(acc)
+  out = list(leaves)
+  for group in packing.groups:
+    out[group[0]] = jnp.concatenate([jnp.ravel(leaves[i]) for i in group])
+    for i in group[1:]:
+      out[i] = jnp.zeros((), leaves[i].dtype)
+  return jax.tree.unflatten(packing.treedef, out)
+
+
+def unpack(acc: Any, packing: Packing) -> Any:
+  """``acc`` (packed) as one sum: every leaf in its own shape."""
+  leaves = jax.tree.leaves(acc)
+  groups = tuple(leaves[g[0]] for g in packing.groups)
+  rest = [leaves[i] for i in packing.rest]
+  return _unpacked(packing, groups, rest, np if _on_host(leaves) else jnp)
+
+
+def _on_host(leaves: list[Any]) -> bool:
+  return all(isinstance(x, np.ndarray | np.generic) for x in leaves)
+
+
+def _unpacked(packing: Packing, groups: Any, rest: Any, xp: Any = jnp) -> Any:
+  out: list[Any] = [None] * len(packing.shapes)
+  for i, leaf in zip(packing.rest, rest, strict=True):
+    out[i] = leaf
+  for group, buffer in zip(packing.groups, groups, strict=True):
+    start = 0
+    for i in group:
+      stop = start + math.prod(packing.shapes[i])
+      out[i] = xp.reshape(buffer[start:stop], packing.shapes[i])
+      start = stop
+  return jax.tree.unflatten(packing.treedef, out)
+
+
+def _packed(packing: Packing, acc: Any) -> tuple[tuple[Any, ...], list[Any]]:
+  """Inside a program: one sum's leaves as (group buffers, other leaves)."""
+  leaves = jax.tree.leaves(acc)
+  groups = tuple(
+    jnp.concatenate([jnp.ravel(leaves[i]) for i in group]) for group in packing.groups
+  )
+  return groups, [leaves[i] for i in packing.rest]
+
+
+class Recent:
+  """The accumulator tree a packed program returned last, and its leaves, so
+  that the next call finds them without walking the tree: the step's Python
+  stays O(1) per call once warm (one C++ ``unflatten`` builds the returned
+  tree, as ``jit`` builds its own outputs)."""
+
+  def __init__(self, packing: Packing):
+    self.packing = packing
+    self.tree: Any = None
+    self.leaves: list[Any] = []
+
+  def leaves_of(self, tree: Any) -> list[Any]:
+    return list(self.leaves if tree is self.tree else jax.tree.leaves(tree))
+
+  def tree_of(self, leaves: list[Any]) -> Any:
+    self.tree = jax.tree.unflatten(self.packing.treedef, leaves)
+    self.leaves = leaves
+    return self.tree
+
+
+class PackedProgram:
+  """A program of the one-sum layout (``fn``), run on a packed accumulator.
+
+  ``acc_in`` and ``acc_out`` are the accumulator's positions among ``fn``'s
+  arguments and results. The host passes only the group buffers and the
+  unpacked leaves, and puts the results back in the placeholders' tree.
+  """
+
+  def __init__(
+    self,
+    recent: Recent,
+    fn: Callable[..., tuple[Any, ...]],
+    acc_in: int,
+    acc_out: int,
+    donate_argnums: tuple[int, ...],
+  ):
+    self.recent, self.acc_in, self.acc_out = recent, acc_in, acc_out
+    packing = self.packing = recent.packing
+
+    def body(*args: Any) -> tuple[Any, ...]:
+      args_ = list(args)
+      args_[acc_in] = _unpacked(packing, *args[acc_in])
+      out = list(fn(*args_))
+      out[acc_out] = _packed(packing, out[acc_out])
+      return tuple(out)
+
+    self.jitted = jax.jit(body, donate_argnums=donate_argnums)
+
+  def _split(self, args: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
+    leaves = self.recent.leaves_of(args[self.acc_in])
+    groups = tuple(leaves[g[0]] for g in self.packing.groups)
+    args_ = list(args)
+    args_[self.acc_in] = (groups, [leaves[i] for i in self.packing.rest])
+    return args_, leaves
+
+  def __call__(self, *args: Any) -> tuple[Any, ...]:
+    args_, leaves = self._split(args)
+    out = list(self.jitted(*args_))
+    groups, rest = out[self.acc_out]
+    for group, buffer in zip(self.packing.groups, groups, strict=True):
+      leaves[group[0]] = buffer  # The placeholders stay where they are.
+    for i, leaf in zip(self.packing.rest, rest, strict=True):
+      leaves[i] = leaf
+    out[self.acc_out] = self.recent.tree_of(leaves)
+    return tuple(out)
+
+  def lower(self, *args: Any) -> jax.stages.Lowered:
+    return self.jitted.lower(*self._split(args)[0])

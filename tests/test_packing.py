@@ -1,0 +1,231 @@
+"""The packed accumulator (issue 29, item 2): fewer buffers, the same numbers.
+
+On one device the streaming step passes the sums of many small leaves as one
+buffer per dtype (:mod:`optax_accum._packing`). Every program's results must
+stay bit-identical to the one-sum layout's, on the benchmark models, through
+a checkpoint and into every path that does not pack.
+"""
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from markdown_examples import documented_function
+
+import optax_accum
+from benchmarks import accumulation
+from optax_accum import _packing
+
+K = 4
+CHECKPOINTING = pathlib.Path(__file__).parent.parent / "docs" / "checkpointing.md"
+
+
+def _bitwise_equal(a, b) -> bool:
+  same = jax.tree.map(lambda x, y: np.array_equal(np.asarray(x), np.asarray(y)), a, b)
+  return jax.tree.structure(a) == jax.tree.structure(b) and all(jax.tree.leaves(same))
+
+
+def _packing_of(step, params):
+  return step._layouts._packing(params)
+
+
+def _one_sum(step, params, state):
+  """``state`` with its accumulator unpacked, if it is packed."""
+  packing = _packing_of(step, params)
+  if packing is None or not _packing.is_packed(state.acc_grads, packing):
+    return state
+  return state._replace(acc_grads=_packing.unpack(state.acc_grads, packing))
+
+
+def _stream(model, calls, min_leaves, monkeypatch, **step_kwargs):
+  """A streaming run of ``calls`` micro-batches with groups of at least
+  ``min_leaves`` leaves packed: params, state (one sum), metrics, layout."""
+  monkeypatch.setattr(_packing, "MIN_LEAVES", min_leaves)
+  opt = optax_accum.MultiSteps(optax.adamw(1e-2, weight_decay=0.1), K)
+  step = optax_accum.make_train_step(model["loss_fn"], opt, **step_kwargs)
+  params = jax.tree.map(jnp.copy, model["params"])
+  state, metrics = opt.init(params), []
+  rng = np.random.default_rng(0)
+  for _ in range(calls):
+    rows = model["batch"](model["rows"])
+    if "mask" in rows:  # Now and then a micro-batch of padding: weight 0.
+      rows["mask"] = rows["mask"] * (rng.random() < 0.8)
+    params, state, out = step(params, state, rows)
+    metrics.append(out)
+  return params, _one_sum(step, params, state), metrics, step._known.layout
+
+
+@pytest.mark.parametrize("name", ["leaves-400x32-b4", "lm-1x8-b2"])
+def test_packed_programs_are_bit_identical_on_the_benchmark_models(name, monkeypatch):
+  """Ten micro-steps (2.5 windows): params, optimizer state, the window's
+  sums and every metric bit for bit as in the one-sum layout."""
+  one_sum = _stream(accumulation.MODELS[name](), 10, 10**9, monkeypatch)
+  packed = _stream(accumulation.MODELS[name](), 10, 2, monkeypatch)
+  assert one_sum[3] is None and isinstance(packed[3], _packing.Packing)
+  for what, a, b in zip(["params", "state", "metrics"], one_sum, packed, strict=False):
+    assert _bitwise_equal(a, b), what
+
+
+def _program(model, program):
+  """Buffers in and out of one of the streaming step's programs, and XLA's
+  bytes accessed and scratch bytes."""
+  opt = optax_accum.MultiSteps(optax.adamw(1e-3), K)
+  step = optax_accum.make_train_step(model["loss_fn"], opt)
+  params = model["params"]
+  lowered = step.lower(params, opt.init(params), model["batch"](2), program=program)
+  compiled = lowered.compile()
+  buffers = len(jax.tree.leaves(lowered.args_info))
+  buffers_out = len(jax.tree.leaves(compiled.output_shardings))
+  bytes_ = compiled.cost_analysis()["bytes accessed"]
+  return buffers, buffers_out, bytes_, compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("program", ["accumulate", "update"])
+def test_a_model_of_many_small_leaves_is_packed_by_default(program, monkeypatch):
+  """400 leaves of 32x32: one buffer of sums in place of 400, in and out.
+  The price: one more pass over the sums (read and written) and at most one
+  copy of them in scratch memory."""
+  model = accumulation.MODELS["leaves-400x32-b4"]()
+  packed = _program(model, program)
+  monkeypatch.setattr(_packing, "MIN_LEAVES", 10**9)
+  one_sum = _program(model, program)
+  assert (one_sum[0] - packed[0], one_sum[1] - packed[1]) == (399, 399)
+  sums = 400 * 32 * 32 * 4
+  assert one_sum[2] < packed[2] <= one_sum[2] + 2 * sums
+  assert one_sum[3] < packed[3] <= one_sum[3] + sums
+
+
+def test_plan_groups_small_leaves_by_accumulator_dtype():
+  acc = {
+    "big": jnp.zeros((300, 300)),
+    "empty": jnp.zeros((0, 4)),
+    "f32": [jnp.zeros((2, 3)) for _ in range(3)],
+    "f16": [jnp.zeros(5, jnp.float16) for _ in range(2)],
+    "lone": jnp.zeros(7, jnp.bfloat16),
+  }
+  packing = _packing.plan(acc, max_leaf_size=1000, min_leaves=2)
+  leaves = jax.tree.leaves(acc)
+  groups = [[jnp.shape(leaves[i]) for i in group] for group in packing.groups]
+  assert groups == [[(5,)] * 2, [(2, 3)] * 3]
+  assert [jnp.shape(leaves[i]) for i in packing.rest] == [(300, 300), (0, 4), (7,)]
+  assert _packing.plan(acc, max_leaf_size=1000, min_leaves=4) is None
+  packed = _packing.pack(acc, packing)
+  assert _packing.is_packed(packed, packing) and not _packing.is_packed(acc, packing)
+  assert _bitwise_equal(_packing.unpack(packed, packing), acc)
+
+
+def _checkpointed(model, split, tmp_path, monkeypatch):
+  """Streams ``split`` micro-batches with packing, saves with orbax, and
+  returns the documented ``restore``'s result with the batches that remain."""
+  monkeypatch.setattr(_packing, "MIN_LEAVES", 2)
+  # Momentum, not Adam: Adam turns the rounding of the key bias's gradient
+  # (0 but for rounding) into steps of its learning rate, path by path.
+  opt = optax_accum.MultiSteps(optax.sgd(0.1, momentum=0.9), K)
+  step = optax_accum.make_train_step(model["loss_fn"], opt)
+  batches = [model["batch"](model["rows"]) for _ in range(3 * K)]
+  params = jax.tree.map(jnp.copy, model["params"])
+  state = opt.init(params)
+  for batch in batches[:split]:
+    params, state, _ = step(params, state, batch)
+  assert isinstance(step._known.layout, _packing.Packing)
+  saver = ocp.StandardCheckpointer()
+  saver.save(tmp_path / "ckpt", {"params": params, "opt_state": state, "position": 0})
+  saver.wait_until_finished()
+  restore = documented_function(CHECKPOINTING, "restore")
+  restored = restore(tmp_path / "ckpt", model["params"], opt)
+  return opt, restored["params"], restored["opt_state"], batches
+
+
+def _finish(step, params, state, batches):
+  """``step`` over ``batches`` from copies of ``params`` and ``state``."""
+  params, state = jax.tree.map(jnp.copy, (params, state))
+  for batch in batches:
+    params, state, _ = step(params, state, batch)
+  return params, state
+
+
+def _paths(model, opt):
+  """``(step, place params, place batch)`` of paths that never pack: the
+  step inside the user's ``jit``, and under plain ``jit`` on a mesh of 2
+  devices (Auto axes: the model's embedding lookup has no rule for
+  Explicit ones)."""
+  in_jit = jax.jit(optax_accum.make_train_step(model["loss_fn"], opt, donate=False))
+  auto = (jax.sharding.AxisType.Auto,)
+  mesh = jax.make_mesh((2,), ("data",), axis_types=auto, devices=jax.devices()[:2])
+  on_mesh = optax_accum.make_train_step(model["loss_fn"], opt)
+  same = lambda tree: tree  # noqa: E731
+  return [
+    (in_jit, same, same),
+    (
+      on_mesh,
+      lambda t: jax.device_put(t, NamedSharding(mesh, P())),
+      lambda t: jax.device_put(t, NamedSharding(mesh, P("data"))),
+    ),
+  ]
+
+
+@pytest.mark.parametrize("split", [2, K + 3], ids=["first-window", "second-window"])
+def test_a_packed_checkpoint_resumes_on_every_path(split, tmp_path, monkeypatch):
+  """Restored with docs/checkpointing.md's recipe: a fresh streaming step
+  resumes bit-identical. Paths that never pack unpack it and end within 1e-6
+  of their own uninterrupted run."""
+  model = accumulation.MODELS["lm-1x8-b2"]()
+  opt, params, state, batches = _checkpointed(model, split, tmp_path, monkeypatch)
+  fresh = optax_accum.make_train_step(model["loss_fn"], opt)
+  uninterrupted = _finish(fresh, model["params"], opt.init(model["params"]), batches)
+  resumed = _finish(
+    optax_accum.make_train_step(model["loss_fn"], opt), params, state, batches[split:]
+  )
+  assert _bitwise_equal(uninterrupted[0], resumed[0])
+  for step, place_params, place_batch in _paths(model, opt):
+    batches_ = [place_batch(b) for b in batches]
+    params0 = place_params(model["params"])
+    want, _ = _finish(step, params0, opt.init(params0), batches_)
+    got, _ = _finish(step, place_params(params), state, batches_[split:])
+    jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+      jax.device_get(want),
+      jax.device_get(got),
+    )
+
+
+def test_a_packed_state_joins_a_scan_window(monkeypatch):
+  """A window streamed halfway (packed) and finished by a scan-mode step:
+  the same params as the whole window streamed."""
+  model = accumulation.MODELS["lm-1x8-b2"]()
+  monkeypatch.setattr(_packing, "MIN_LEAVES", 2)
+  opt = optax_accum.MultiSteps(optax.adamw(1e-2), K)
+  stream = optax_accum.make_train_step(model["loss_fn"], opt, donate=False)
+  scan = optax_accum.make_train_step(model["loss_fn"], opt, mode="scan", donate=False)
+  batches = [model["batch"](model["rows"]) for _ in range(K)]
+  params, state = model["params"], opt.init(model["params"])
+  for batch in batches[:2]:
+    params, state, _ = stream(params, state, batch)
+  assert isinstance(stream._known.layout, _packing.Packing)
+  rest = jax.tree.map(lambda *rows: np.stack(rows), *batches[2:])
+  got, state, _ = scan(params, state, rest)
+  want, _ = _finish(stream, model["params"], opt.init(model["params"]), batches)
+  assert int(state.gradient_step) == 1
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), want, got)
+
+
+def test_multi_steps_update_refuses_a_packed_state_clearly(monkeypatch):
+  """The optax path takes one sum only; a state the step packed is named."""
+  monkeypatch.setattr(_packing, "MIN_LEAVES", 2)
+  params = {"a": jnp.ones(3), "b": jnp.ones(2)}
+  opt = optax_accum.MultiSteps(optax.sgd(0.1), K)
+
+  def loss_fn(params, batch):
+    return (params["a"].sum() + params["b"].sum()) * batch, 1.0
+
+  step = optax_accum.make_train_step(loss_fn, opt, donate=False)
+  _, state, _ = step(params, opt.init(params), jnp.float32(1))
+  assert jnp.shape(state.acc_grads["a"]) == (5,)
+  with pytest.raises(ValueError, match="packed or per replica, goes back to that"):
+    opt.update(jax.tree.map(jnp.ones_like, params), state, params)
