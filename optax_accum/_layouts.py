@@ -72,9 +72,9 @@ class Layouts:
     when streaming on one device. Called for a state the step did not return
     last.
     """
+    opt_state = self._unpacked(params, opt_state)
     if is_traced(params, opt_state, batch):
       return params, self._summed(params, opt_state), None
-    opt_state = self._unpacked(params, opt_state)
     mesh = mesh_of(params, batch)
     if mesh is not None:
       params, opt_state = as_returned((params, opt_state), mesh)
@@ -101,9 +101,8 @@ class Layouts:
     return opt_state._replace(acc_grads=acc)
 
   def _summed(self, params: Any, opt_state: MultiStepsState) -> MultiStepsState:
-    """``opt_state`` with one sum: per-replica partial sums added up, packed
-    sums unpacked."""
-    opt_state = self._unpacked(params, opt_state)
+    """``opt_state`` (unpacked) with one sum: per-replica partial sums added
+    up."""
     accs = self._accumulators(opt_state)
     if not any(has_partial_sums(acc, params) for acc in accs):
       return opt_state

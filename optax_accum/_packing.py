@@ -92,8 +92,8 @@ def pack(acc: Any, packing: Packing) -> Any:
   """``acc`` (one sum) in the packed layout, on the device of its leaves."""
   leaves = jax.tree.leaves(acc)
   out = list(leaves)
-  for group in packing.groups:
-    out[group[0]] = jnp.concatenate([jnp.ravel(leaves[i]) for i in group])
+  for group, buffer in zip(packing.groups, _packed(packing, acc)[0], strict=True):
+    out[group[0]] = buffer
     for i in group[1:]:
       out[i] = jnp.zeros((), leaves[i].dtype)
   return jax.tree.unflatten(packing.treedef, out)
@@ -102,9 +102,14 @@ def pack(acc: Any, packing: Packing) -> Any:
 def unpack(acc: Any, packing: Packing) -> Any:
   """``acc`` (packed) as one sum: every leaf in its own shape."""
   leaves = jax.tree.leaves(acc)
+  xp = np if _on_host(leaves) else jnp
+  return _unpacked(packing, *_parts(packing, leaves), xp)
+
+
+def _parts(packing: Packing, leaves: list[Any]) -> tuple[tuple[Any, ...], list[Any]]:
+  """A packed accumulator's leaves as (group buffers, other leaves)."""
   groups = tuple(leaves[g[0]] for g in packing.groups)
-  rest = [leaves[i] for i in packing.rest]
-  return _unpacked(packing, groups, rest, np if _on_host(leaves) else jnp)
+  return groups, [leaves[i] for i in packing.rest]
 
 
 def _on_host(leaves: list[Any]) -> bool:
@@ -183,9 +188,8 @@ class PackedProgram:
 
   def _split(self, args: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
     leaves = self.recent.leaves_of(args[self.acc_in])
-    groups = tuple(leaves[g[0]] for g in self.packing.groups)
     args_ = list(args)
-    args_[self.acc_in] = (groups, [leaves[i] for i in self.packing.rest])
+    args_[self.acc_in] = _parts(self.packing, leaves)
     return args_, leaves
 
   def __call__(self, *args: Any) -> tuple[Any, ...]:

@@ -31,18 +31,6 @@ def _bitwise_equal(a, b) -> bool:
   return jax.tree.structure(a) == jax.tree.structure(b) and all(jax.tree.leaves(same))
 
 
-def _packing_of(step, params):
-  return step._layouts._packing(params)
-
-
-def _one_sum(step, params, state):
-  """``state`` with its accumulator unpacked, if it is packed."""
-  packing = _packing_of(step, params)
-  if packing is None or not _packing.is_packed(state.acc_grads, packing):
-    return state
-  return state._replace(acc_grads=_packing.unpack(state.acc_grads, packing))
-
-
 def _stream(model, calls, min_leaves, monkeypatch, **step_kwargs):
   """A streaming run of ``calls`` micro-batches with groups of at least
   ``min_leaves`` leaves packed: params, state (one sum), metrics, layout."""
@@ -58,7 +46,7 @@ def _stream(model, calls, min_leaves, monkeypatch, **step_kwargs):
       rows["mask"] = rows["mask"] * (rng.random() < 0.8)
     params, state, out = step(params, state, rows)
     metrics.append(out)
-  return params, _one_sum(step, params, state), metrics, step._known.layout
+  return params, step._layouts._unpacked(params, state), metrics, step._known.layout
 
 
 @pytest.mark.parametrize("name", ["leaves-400x32-b4", "lm-1x8-b2"])

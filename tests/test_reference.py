@@ -453,17 +453,9 @@ def _run_stream(config, plan, rng, key, *, variant):
   for (mb,), _ in plan:
     end = jnp.asarray(mb.end_window) if variant == "in_jit" else mb.end_window
     params, state, metrics = run(params, state, _batch(config, mb), key, end)
-    state_ = _unpacked(step, params, state)
+    state_ = step._layouts._unpacked(params, state)  # One sum, if packed.
     observed.append(_observe(state_, params=params, metrics=metrics))
   return params0, observed
-
-
-def _unpacked(step, params, state):
-  """``state`` with its accumulator as one sum (unpacked, if it was packed)."""
-  packing = step._layouts._packing(params)
-  if packing is None or not _packing.is_packed(state.acc_grads, packing):
-    return state
-  return state._replace(acc_grads=_packing.unpack(state.acc_grads, packing))
 
 
 def _run_scan(config, plan, rng, key):
