@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 
 from optax_accum import _deferred, _packing, _reduction
 from optax_accum._multi_steps import MultiSteps, MultiStepsState
-from optax_accum._packing import PackedProgram, Packing, Recent
+from optax_accum._packing import PackedProgram, PackedPrograms, Packing, Recent
 from optax_accum._programs import Programs, counters
 from optax_accum._replicas import (
   DataLayout,
@@ -72,6 +72,9 @@ class Layouts:
     when streaming on one device. Called for a state the step did not return
     last.
     """
+    packing = self._packing_of(params, opt_state, batch)
+    if packing is not None:
+      return params, self._packed(params, opt_state, packing), packing
     opt_state = self._unpacked(params, opt_state)
     if is_traced(params, opt_state, batch):
       return params, self._summed(params, opt_state), None
@@ -86,8 +89,7 @@ class Layouts:
     else:
       layout = self._deferred_layout(params, opt_state, batch, rng)
     if layout is None:
-      state = self._summed(params, opt_state)
-      return params, *self._packed(params, state, on_mesh=mesh is not None)
+      return params, self._summed(params, opt_state), None
     accs = [per_replica(acc, params, layout) for acc in self._accumulators(opt_state)]
     return params, self._rebuilt(opt_state, accs), layout
 
@@ -109,11 +111,16 @@ class Layouts:
     return self._rebuilt(opt_state, [summed(acc, params) for acc in accs])
 
   def _packing(self, params: Any) -> Packing | None:
-    """The packing of the accumulator for ``params``, if it has one."""
+    """The packing of the accumulator for ``params``, if it has one: none
+    with loss terms (each term its own sums) or ``should_skip_update_fn``
+    (which gets the gradient laid out as the params)."""
+    config = self.bodies.config
+    if config.terms is not None or config.should_skip_update_fn is not None:
+      return None
     key = _avals(params)
     if key not in self._packings:
       shapes = jax.eval_shape(self.bodies.optimizer.init, params).acc_grads
-      self._packings[key] = _packing.plan(shapes)
+      self._packings[key] = _packing.plan(shapes, params)
     return self._packings[key]
 
   def _unpacked(self, params: Any, opt_state: MultiStepsState) -> MultiStepsState:
@@ -123,21 +130,27 @@ class Layouts:
       return opt_state
     return opt_state._replace(acc_grads=_packing.unpack(opt_state.acc_grads, packing))
 
+  def _packing_of(
+    self, params: Any, opt_state: MultiStepsState, batch: Any
+  ) -> Packing | None:
+    """The packing this call runs with: streaming on one device, on no mesh,
+    without ``axis_name``, outside the user's ``jit``; else ``None``."""
+    if self.mode != "stream" or self.bodies.config.axis_name is not None:
+      return None
+    if is_traced(params, opt_state, batch) or mesh_of(params, batch) is not None:
+      return None
+    if len(_devices(params)) > 1:
+      return None
+    return self._packing(params)
+
   def _packed(
-    self, params: Any, opt_state: MultiStepsState, on_mesh: bool
-  ) -> tuple[MultiStepsState, Packing | None]:
-    """``opt_state`` (one sum) packed, where the streaming step's programs on
-    one device can take it so."""
-    config = self.bodies.config
-    one_device = len(_devices(params)) <= 1
-    if self.mode != "stream" or on_mesh or config.axis_name or not one_device:
-      return opt_state, None
-    packing = self._packing(params)
-    if packing is None:
-      return opt_state, None
-    return opt_state._replace(
-      acc_grads=_packing.pack(opt_state.acc_grads, packing)
-    ), packing
+    self, params: Any, opt_state: MultiStepsState, packing: Packing
+  ) -> MultiStepsState:
+    """``opt_state`` with one sum in ``packing``'s layout (kept if it is)."""
+    if _packing.is_packed(opt_state.acc_grads, packing):
+      return opt_state
+    state = self._summed(params, opt_state)
+    return state._replace(acc_grads=_packing.pack(state.acc_grads, packing))
 
   def _deferred_layout(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
@@ -191,12 +204,9 @@ class Layouts:
   def _packed_programs(self, packing: Packing) -> tuple[Any, Any]:
     """The streaming programs on a packed accumulator (one sum)."""
     donate, recent = self.donate, Recent(packing)
-    accumulate = PackedProgram(
-      recent, self.bodies.accumulate, 1, 0, (1,) if donate else ()
-    )
-    update = PackedProgram(
-      recent, self.bodies.update, 2, 2, (0, 1, 2) if donate else ()
-    )
+    bodies = PackedPrograms(self.bodies, packing)
+    accumulate = PackedProgram(recent, bodies.accumulate, 1, 0, (1,) if donate else ())
+    update = PackedProgram(recent, bodies.update, 2, 2, (0, 1, 2) if donate else ())
     return accumulate, update
 
 

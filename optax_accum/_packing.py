@@ -27,6 +27,7 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -34,6 +35,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from optax_accum._programs import Programs
 
 #: Leaves of at most this many elements are packed. Packing costs one more
 #: pass over the sums (XLA:CPU computes each leaf's sum apart, then
@@ -50,34 +53,38 @@ class Packing(NamedTuple):
   treedef: Any
   shapes: tuple[tuple[int, ...], ...]  # Each leaf's own shape, in tree order.
   groups: tuple[tuple[int, ...], ...]  # Leaf indices; the first holds the buffer.
-
-  @property
-  def rest(self) -> tuple[int, ...]:
-    """The leaves passed as they are."""
-    packed = {i for group in self.groups for i in group}
-    return tuple(i for i in range(len(self.shapes)) if i not in packed)
+  rest: tuple[int, ...]  # The leaves passed as they are.
 
   def size(self, group: tuple[int, ...]) -> int:
     return sum(math.prod(self.shapes[i]) for i in group)
 
 
 def plan(
-  acc: Any, max_leaf_size: int | None = None, min_leaves: int | None = None
+  acc: Any,
+  params: Any = None,
+  max_leaf_size: int | None = None,
+  min_leaves: int | None = None,
 ) -> Packing | None:
-  """The packing of an accumulator ``acc`` (arrays or shapes, one sum), or
-  ``None`` where no dtype has ``min_leaves`` small leaves (by default
-  :data:`MIN_LEAVES` leaves of at most :data:`MAX_LEAF_SIZE` elements)."""
+  """The packing of an accumulator ``acc`` (arrays or shapes, one sum, like
+  ``params``), or ``None`` where no dtype has ``min_leaves`` small leaves (by
+  default :data:`MIN_LEAVES` leaves of at most :data:`MAX_LEAF_SIZE`
+  elements). A group's leaves share their dtype and their params' dtype (the
+  gradients', packed alike)."""
   max_leaf_size = MAX_LEAF_SIZE if max_leaf_size is None else max_leaf_size
   min_leaves = MIN_LEAVES if min_leaves is None else min_leaves
   leaves, treedef = jax.tree.flatten(acc)
+  likes = leaves if params is None else jax.tree.leaves(params)
   by_dtype: dict[Any, list[int]] = {}
-  for i, leaf in enumerate(leaves):
+  for i, (leaf, like) in enumerate(zip(leaves, likes, strict=True)):
     if 1 <= math.prod(jnp.shape(leaf)) <= max_leaf_size:
-      by_dtype.setdefault(jnp.dtype(leaf.dtype), []).append(i)
+      key = (jnp.dtype(leaf.dtype), jnp.result_type(like))
+      by_dtype.setdefault(key, []).append(i)
   groups = tuple(tuple(g) for g in by_dtype.values() if len(g) >= min_leaves)
   if not groups:
     return None
-  return Packing(treedef, tuple(tuple(jnp.shape(x)) for x in leaves), groups)
+  packed = {i for group in groups for i in group}
+  rest = tuple(i for i in range(len(leaves)) if i not in packed)
+  return Packing(treedef, tuple(tuple(jnp.shape(x)) for x in leaves), groups, rest)
 
 
 def is_packed(acc: Any, packing: Packing) -> bool:
@@ -90,6 +97,21 @@ def is_packed(acc: Any, packing: Packing) -> bool:
 
 def pack(acc: Any, packing: Packing) -> Any:
   """``acc`` (one sum) in the packed layout, on the device of its leaves."""
+  return _pack(acc, packing)
+
+
+def unpack(acc: Any, packing: Packing) -> Any:
+  """``acc`` (packed) as one sum: every leaf in its own shape."""
+  leaves = jax.tree.leaves(acc)
+  if _on_host(leaves):
+    return _unpacked(packing, *_parts(packing, leaves), np)
+  return _unpack(_parts(packing, leaves), packing)
+
+
+# One program each, not one dispatch a leaf: a state the step did not return
+# last (a restored checkpoint, another loop's) is packed or unpacked at once.
+@functools.partial(jax.jit, static_argnums=1)
+def _pack(acc: Any, packing: Packing) -> Any:
   leaves = jax.tree.leaves(acc)
   out = list(leaves)
   for group, buffer in zip(packing.groups, _packed(packing, acc)[0], strict=True):
@@ -99,11 +121,9 @@ def pack(acc: Any, packing: Packing) -> Any:
   return jax.tree.unflatten(packing.treedef, out)
 
 
-def unpack(acc: Any, packing: Packing) -> Any:
-  """``acc`` (packed) as one sum: every leaf in its own shape."""
-  leaves = jax.tree.leaves(acc)
-  xp = np if _on_host(leaves) else jnp
-  return _unpacked(packing, *_parts(packing, leaves), xp)
+@functools.partial(jax.jit, static_argnums=1)
+def _unpack(parts: tuple[Any, list[Any]], packing: Packing) -> Any:
+  return _unpacked(packing, *parts)
 
 
 def _parts(packing: Packing, leaves: list[Any]) -> tuple[tuple[Any, ...], list[Any]]:
@@ -158,8 +178,29 @@ class Recent:
     return self.tree
 
 
+class PackedPrograms(Programs):
+  """The train step's bodies with the accumulator packed inside the program.
+
+  Each micro-batch's gradient is packed as the sums are (one concatenation
+  per group) and added to them in one pass over each buffer, as to a
+  contiguous accumulator; the optimizer gets the sums cut back into leaves.
+  The arithmetic is the same, element by element.
+  """
+
+  def __init__(self, bodies: Programs, packing: Packing):
+    super().__init__(bodies.loss_fn, bodies.optimizer, bodies.has_aux, bodies.reduction)
+    self.packing = packing
+
+  def accumulated(self, grads: Any) -> Any:
+    return _packed(self.packing, grads)
+
+  def as_params(self, acc: Any) -> Any:
+    return _unpacked(self.packing, *acc)
+
+
 class PackedProgram:
-  """A program of the one-sum layout (``fn``), run on a packed accumulator.
+  """A body of :class:`PackedPrograms` (``fn``), jitted, called with the
+  accumulator in the state's packed layout.
 
   ``acc_in`` and ``acc_out`` are the accumulator's positions among ``fn``'s
   arguments and results. The host passes only the group buffers and the
@@ -175,16 +216,8 @@ class PackedProgram:
     donate_argnums: tuple[int, ...],
   ):
     self.recent, self.acc_in, self.acc_out = recent, acc_in, acc_out
-    packing = self.packing = recent.packing
-
-    def body(*args: Any) -> tuple[Any, ...]:
-      args_ = list(args)
-      args_[acc_in] = _unpacked(packing, *args[acc_in])
-      out = list(fn(*args_))
-      out[acc_out] = _packed(packing, out[acc_out])
-      return tuple(out)
-
-    self.jitted = jax.jit(body, donate_argnums=donate_argnums)
+    self.packing = recent.packing
+    self.jitted = jax.jit(fn, donate_argnums=donate_argnums)
 
   def _split(self, args: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
     leaves = self.recent.leaves_of(args[self.acc_in])

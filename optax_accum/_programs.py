@@ -219,9 +219,25 @@ class Programs:
       params, batch, rng, state.micro_batches_seen
     )
     added, counted = ms.add_micro_batch(
-      self.config, state, grads, params, weight=weight, loss=value, reduction=reduction
+      self.config,
+      state,
+      self.accumulated(grads),
+      params,
+      weight=weight,
+      loss=value,
+      reduction=reduction,
     )
     return added, counted, grads, aux
+
+  # -- the accumulator's layout: the params' own here (see _packing) ------------
+
+  def accumulated(self, grads: Any) -> Any:
+    """A micro-batch's gradient laid out as the accumulator holds it."""
+    return grads
+
+  def as_params(self, acc: Any) -> Any:
+    """The accumulator laid out as the params, for the optimizer."""
+    return acc
 
   # -- the programs ----------------------------------------------------------
 
@@ -248,7 +264,8 @@ class Programs:
     state = joined(counters_, inner, acc)
     added, counted, grads, aux = self._add(params, state, batch, rng, self.reduction)
     ends = ms.window_ends(self.config, added, counted, end_window)
-    summed = added._replace(acc_grads=self.reduction.window_gradient(added.acc_grads))
+    window = self.reduction.window_gradient(self.as_params(added.acc_grads))
+    summed = added._replace(acc_grads=window)
     params, inner, counters_, out = self._end(summed, ends, params, aux, grads)
     # The accumulator keeps the window's sum (or this replica's partial sum)
     # for the next window's first micro-batch to overwrite.
