@@ -264,6 +264,8 @@ class Programs:
     state = joined(counters_, inner, acc)
     added, counted, grads, aux = self._add(params, state, batch, rng, self.reduction)
     ends = ms.window_ends(self.config, added, counted, end_window)
+    # The sums cut into the params' leaves once, before the optimizer's loop:
+    # the norm's per-leaf sums then reduce the same arrays as unpacked.
     window = self.reduction.window_gradient(self.as_params(added.acc_grads))
     summed = added._replace(acc_grads=window)
     params, inner, counters_, out = self._end(summed, ends, params, aux, grads)

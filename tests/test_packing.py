@@ -76,23 +76,25 @@ def _program(model, program):
 
 @pytest.mark.parametrize("program", ["accumulate", "update"])
 def test_a_model_of_many_small_leaves_is_packed_by_default(program, monkeypatch):
-  """400 leaves of 32x32: one buffer of sums in place of 400, in and out.
-  The price: one more pass over the gradients (concatenated: read and
-  written), in the update one more over the sums (cut into leaves for the
-  optimizer), and at most two copies of them in scratch memory (the leaves'
-  gradients, live until the concatenation, and the concatenation)."""
+  """400 leaves of 32x32: 13 buffers of sums in place of 400, in and out.
+  The price: one more pass over the gradients (concatenated), and in the
+  update one more over the sums (cut into leaves for the optimizer); as
+  scratch, a few groups' gradients (live until they are concatenated) and in
+  the update the cut sums."""
   model = accumulation.MODELS["leaves-400x32-b4"]()
   packed = _program(model, program)
   monkeypatch.setattr(_packing, "MIN_LEAVES", 10**9)
   one_sum = _program(model, program)
-  assert (one_sum[0] - packed[0], one_sum[1] - packed[1]) == (399, 399)
+  groups = 400 * 32 * 32 // _packing.MAX_GROUP_SIZE  # 12 full groups, 1 part one.
+  fewer = 399 - groups
+  assert (one_sum[0] - packed[0], one_sum[1] - packed[1]) == (fewer, fewer)
   sums = 400 * 32 * 32 * 4
-  passes = {"accumulate": 1, "update": 2}[program]
+  passes, scratch = {"accumulate": (1, sums // 2), "update": (2, sums)}[program]
   assert one_sum[2] < packed[2] <= one_sum[2] + 2 * passes * sums
-  assert one_sum[3] < packed[3] <= one_sum[3] + 2 * sums
+  assert one_sum[3] < packed[3] <= one_sum[3] + scratch
 
 
-def test_plan_groups_small_leaves_by_accumulator_dtype():
+def test_plan_groups_small_leaves_by_dtype_and_size(monkeypatch):
   acc = {
     "big": jnp.zeros((300, 300)),
     "empty": jnp.zeros((0, 4)),
@@ -109,6 +111,14 @@ def test_plan_groups_small_leaves_by_accumulator_dtype():
   packed = _packing.pack(acc, packing)
   assert _packing.is_packed(packed, packing) and not _packing.is_packed(acc, packing)
   assert _bitwise_equal(_packing.unpack(packed, packing), acc)
+  # Gradients of another dtype than the sums' (float16 params here) pack apart.
+  params = {**acc, "f32": [jnp.zeros((2, 3), jnp.float16), *acc["f32"][1:]]}
+  packing = _packing.plan(acc, params, max_leaf_size=1000, min_leaves=2)
+  assert [len(group) for group in packing.groups] == [2, 2]
+  # Groups of at most MAX_GROUP_SIZE elements, none of one leaf.
+  monkeypatch.setattr(_packing, "MAX_GROUP_SIZE", 12)
+  acc = [jnp.zeros((2, 3)) for _ in range(5)]
+  assert _packing.plan(acc, min_leaves=2).groups == ((0, 1), (2, 3))
 
 
 def _checkpointed(model, split, tmp_path, monkeypatch):
