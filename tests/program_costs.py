@@ -4,8 +4,10 @@
 ``tests/test_program_costs.py`` checks that no program does more work than the
 recorded figures. Both are deterministic for one jax version, so a refactor
 that adds a pass or a buffer to a program fails the test. The entry of the
-packed accumulator (``packed``) was added when packing came (issue 29); the
-others were recorded before it, and the step runs them without packing.
+packed accumulator (``packed``) was added when packing came (issue 29) and
+recorded again when the programs came to pack the gradients (fewer kernels
+and less scratch; one more pass over the gradients in the update); the others
+were recorded before packing, and the step runs them without it.
 """
 
 from __future__ import annotations
