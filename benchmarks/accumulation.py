@@ -520,12 +520,6 @@ def bench_model(
   return results
 
 
-def _floor(r: dict[str, Any], k: int) -> float:
-  """The floor of a streamed micro-step: the limit and 1/k of an optimizer run
-  (each timed in a loop of its own)."""
-  return r["limit"]["ms"] + r["optimizer"]["ms"] / k
-
-
 class Target(NamedTuple):
   """A ratio of times: its median over rounds, the bound, whether it holds,
   and the middle half of the rounds' ratios (``low`` to ``high``)."""
@@ -683,14 +677,16 @@ def markdown(runs: list[dict[str, Any]], overhead: list[dict[str, float]]) -> st
     "|---|---|" + "---|" * (len(COLUMNS) + 4),
   ]
   for run in runs:
-    r = run["results"]
+    r, t = run["results"], round_times(run["results"], run["k"])
     cells = " | ".join(f"{r[label]['ms']:.2f}" for label, _ in COLUMNS)
+    # Ratios as the targets take them: medians of the rounds' ratios.
+    ratios = [t["stream"] / t["limit"], t["stream"] / t["optax"]]
+    ratios.append(t["stream_handwritten"] / t["floor"])
     lines.append(
       f"| {run['model']} | {run['k']} | {cells} | "
       f"{r['limit']['source'].removeprefix('limit_')} | "
-      f"{r['stream']['ms'] / r['limit']['ms']:.3f} | "
-      f"{r['stream']['ms'] / r['optax']['ms']:.3f} | "
-      f"{r['stream_handwritten']['ms'] / _floor(r, run['k']):.3f} |"
+      + " | ".join(f"{np.median(ratio):.3f}" for ratio in ratios)
+      + " |"
     )
   lines += [
     "",

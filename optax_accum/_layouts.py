@@ -72,13 +72,13 @@ class Layouts:
     when streaming on one device. Called for a state the step did not return
     last.
     """
-    packing = self._packing_of(params, opt_state, batch)
+    if is_traced(params, opt_state, batch):
+      return params, self._summed(params, self._unpacked(params, opt_state)), None
+    mesh = mesh_of(params, batch)
+    packing = None if mesh is not None else self._packing_of(params)
     if packing is not None:
       return params, self._packed(params, opt_state, packing), packing
     opt_state = self._unpacked(params, opt_state)
-    if is_traced(params, opt_state, batch):
-      return params, self._summed(params, opt_state), None
-    mesh = mesh_of(params, batch)
     if mesh is not None:
       params, opt_state = as_returned((params, opt_state), mesh)
     config = self.bodies.config
@@ -130,14 +130,10 @@ class Layouts:
       return opt_state
     return opt_state._replace(acc_grads=_packing.unpack(opt_state.acc_grads, packing))
 
-  def _packing_of(
-    self, params: Any, opt_state: MultiStepsState, batch: Any
-  ) -> Packing | None:
-    """The packing this call runs with: streaming on one device, on no mesh,
-    without ``axis_name``, outside the user's ``jit``; else ``None``."""
+  def _packing_of(self, params: Any) -> Packing | None:
+    """The packing a call on no mesh, outside the user's ``jit``, runs with:
+    streaming on one device without ``axis_name``; else ``None``."""
     if self.mode != "stream" or self.bodies.config.axis_name is not None:
-      return None
-    if is_traced(params, opt_state, batch) or mesh_of(params, batch) is not None:
       return None
     if len(_devices(params)) > 1:
       return None

@@ -137,12 +137,8 @@ def unpack(acc: Any, packing: Packing) -> Any:
 # last (a restored checkpoint, another loop's) is packed or unpacked at once.
 @functools.partial(jax.jit, static_argnums=1)
 def _pack(acc: Any, packing: Packing) -> Any:
-  leaves = jax.tree.leaves(acc)
-  out = list(leaves)
-  for group, buffer in zip(packing.groups, _packed(packing, acc)[0], strict=True):
-    out[group[0]] = buffer
-    for i in group[1:]:
-      out[i] = jnp.zeros((), leaves[i].dtype)
+  placeholders = [jnp.zeros((), x.dtype) for x in jax.tree.leaves(acc)]
+  out = _placed(packing, placeholders, *_packed(packing, acc))
   return jax.tree.unflatten(packing.treedef, out)
 
 
@@ -155,6 +151,16 @@ def _parts(packing: Packing, leaves: list[Any]) -> tuple[tuple[Any, ...], list[A
   """A packed accumulator's leaves as (group buffers, other leaves)."""
   groups = tuple(leaves[g[0]] for g in packing.groups)
   return groups, [leaves[i] for i in packing.rest]
+
+
+def _placed(packing: Packing, leaves: list[Any], groups: Any, rest: Any) -> list[Any]:
+  """``leaves`` (a packed accumulator's) with the group buffers and other
+  leaves put in their places; the placeholders stay where they are."""
+  for group, buffer in zip(packing.groups, groups, strict=True):
+    leaves[group[0]] = buffer
+  for i, leaf in zip(packing.rest, rest, strict=True):
+    leaves[i] = leaf
+  return leaves
 
 
 def _on_host(leaves: list[Any]) -> bool:
@@ -253,12 +259,8 @@ class PackedProgram:
   def __call__(self, *args: Any) -> tuple[Any, ...]:
     args_, leaves = self._split(args)
     out = list(self.jitted(*args_))
-    groups, rest = out[self.acc_out]
-    for group, buffer in zip(self.packing.groups, groups, strict=True):
-      leaves[group[0]] = buffer  # The placeholders stay where they are.
-    for i, leaf in zip(self.packing.rest, rest, strict=True):
-      leaves[i] = leaf
-    out[self.acc_out] = self.recent.tree_of(leaves)
+    placed = _placed(self.packing, leaves, *out[self.acc_out])
+    out[self.acc_out] = self.recent.tree_of(placed)
     return tuple(out)
 
   def lower(self, *args: Any) -> jax.stages.Lowered:
