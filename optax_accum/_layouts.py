@@ -19,7 +19,13 @@ from jax.sharding import NamedSharding
 
 from optax_accum import _deferred, _packing, _reduction
 from optax_accum._multi_steps import MultiSteps, MultiStepsState
-from optax_accum._packing import PackedProgram, PackedPrograms, Packing, Recent
+from optax_accum._packing import (
+  PackedProgram,
+  PackedPrograms,
+  PackedUpdate,
+  Packing,
+  Recent,
+)
 from optax_accum._programs import Programs, counters
 from optax_accum._replicas import (
   DataLayout,
@@ -201,9 +207,11 @@ class Layouts:
     """The streaming programs on a packed accumulator (one sum)."""
     donate, recent = self.donate, Recent(packing)
     bodies = PackedPrograms(self.bodies, packing)
+    in_place = (0, 1, 2) if donate else ()
     accumulate = PackedProgram(recent, bodies.accumulate, 1, 0, (1,) if donate else ())
-    update = PackedProgram(recent, bodies.update, 2, 2, (0, 1, 2) if donate else ())
-    return accumulate, update
+    finish = PackedProgram(recent, bodies.finish, 2, 2, in_place)
+    merged = PackedProgram(recent, bodies.update, 2, 2, in_place)
+    return accumulate, PackedUpdate(accumulate, finish, merged)
 
 
 def _devices(tree: Any) -> set[Any]:

@@ -1,4 +1,5 @@
-"""The train step's in-graph programs: accumulate, update (in place) and scan.
+"""The train step's in-graph programs: accumulate, update (in place) and scan,
+and finish (update's end of the window alone).
 
 Built from the window arithmetic, a reduction policy and the state
 transitions of :mod:`optax_accum._multi_steps`. Each program takes the
@@ -263,12 +264,40 @@ class Programs:
     """Adds a micro-batch and ends the window if it is full or ``end_window``."""
     state = joined(counters_, inner, acc)
     added, counted, grads, aux = self._add(params, state, batch, rng, self.reduction)
+    return self._ended(added, counted, end_window, params, aux, grads)
+
+  def finish(
+    self,
+    params: Any,
+    inner: Any,
+    acc: Any,
+    counters_: MultiStepsState,
+    aux: Any,
+    end_window: Any,
+  ) -> tuple[Any, ...]:
+    """:meth:`update`'s second half, after :meth:`accumulate` added the
+    micro-batch (``aux`` its aux): the window ends if it is full or
+    ``end_window``. Where every micro-batch counts (no
+    ``should_skip_update_fn``) and gradients have the params' dtypes."""
+    added = joined(counters_, inner, acc)
+    return self._ended(added, jnp.array(True), end_window, params, aux, None)
+
+  def _ended(
+    self,
+    added: MultiStepsState,
+    counted: Any,
+    end_window: Any,
+    params: Any,
+    aux: Any,
+    grads_like: Any,
+  ) -> tuple[Any, ...]:
+    """The window of ``added`` ended if it is full or ``end_window``."""
     ends = ms.window_ends(self.config, added, counted, end_window)
     # The sums cut into the params' leaves once, before the optimizer's loop:
     # the norm's per-leaf sums then reduce the same arrays as unpacked.
     window = self.reduction.window_gradient(self.as_params(added.acc_grads))
     summed = added._replace(acc_grads=window)
-    params, inner, counters_, out = self._end(summed, ends, params, aux, grads)
+    params, inner, counters_, out = self._end(summed, ends, params, aux, grads_like)
     # The accumulator keeps the window's sum (or this replica's partial sum)
     # for the next window's first micro-batch to overwrite.
     return params, inner, added.acc_grads, counters_, out

@@ -21,6 +21,7 @@ from markdown_examples import documented_function
 import optax_accum
 from benchmarks import accumulation
 from optax_accum import _packing
+from optax_accum._programs import counters as _counters
 
 K = 4
 CHECKPOINTING = pathlib.Path(__file__).parent.parent / "docs" / "checkpointing.md"
@@ -40,11 +41,12 @@ def _stream(model, calls, min_leaves, monkeypatch, **step_kwargs):
   params = jax.tree.map(jnp.copy, model["params"])
   state, metrics = opt.init(params), []
   rng = np.random.default_rng(0)
-  for _ in range(calls):
+  for call in range(calls):
     rows = model["batch"](model["rows"])
     if "mask" in rows:  # Now and then a micro-batch of padding: weight 0.
       rows["mask"] = rows["mask"] * (rng.random() < 0.8)
-    params, state, out = step(params, state, rows)
+    end_window = call == K + 1  # The second window ends early.
+    params, state, out = step(params, state, rows, end_window=end_window)
     metrics.append(out)
   return params, step._layouts._unpacked(params, state), metrics, step._known.layout
 
@@ -58,6 +60,35 @@ def test_packed_programs_are_bit_identical_on_the_benchmark_models(name, monkeyp
   assert one_sum[3] is None and isinstance(packed[3], _packing.Packing)
   for what, a, b in zip(["params", "state", "metrics"], one_sum, packed, strict=False):
     assert _bitwise_equal(a, b), what
+
+
+def test_a_packed_window_ends_in_two_programs_within_the_merged_ones_memory():
+  """The window's last call runs the accumulate program, then ``finish``;
+  ``lower`` gives the two as one program, whose peak bounds each's (the
+  inner state resident while the accumulate program runs)."""
+  model = accumulation.MODELS["leaves-400x32-b4"]()
+  opt = optax_accum.MultiSteps(optax.adamw(1e-3), K)
+  step = optax_accum.make_train_step(model["loss_fn"], opt)
+  params, batch = model["params"], model["batch"](2)
+  params, state, packing = step._layouts.arranged(params, opt.init(params), batch)
+  accumulate, update = step._layouts.programs(packing)
+  assert isinstance(update, _packing.PackedUpdate)
+  assert update.accumulate is accumulate
+  inner, acc, counters = state.inner_opt_state, state.acc_grads, _counters(state)
+  merged = _peak(update.lower(params, inner, acc, counters, batch, None, False))
+  resident = sum(x.nbytes for x in jax.tree.leaves(inner))
+  assert _peak(accumulate.lower(params, acc, counters, batch, None)) + resident <= merged
+  assert _peak(update.finish.lower(params, inner, acc, counters, None, False)) <= merged
+
+
+def _peak(lowered) -> int:
+  m = lowered.compile().memory_analysis()
+  return (
+    m.argument_size_in_bytes
+    + m.output_size_in_bytes
+    - m.alias_size_in_bytes
+    + m.temp_size_in_bytes
+  )
 
 
 def _program(model, program):
