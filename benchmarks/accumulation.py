@@ -35,9 +35,8 @@ for any of them and blocks once at the end of the round. For each model and
 
 Rounds are interleaved (each round runs every variant once, in a shuffled
 order) so machine noise hits all variants alike; medians with min and max.
-The script fails if a variant's best round beats its lower bound's best round
-by more than 3%: then the bound is wrong. (Best against best: medians of
-identical programs differ by a few percent on a busy CPU; minima do not.)
+The script fails if a variant beats its lower bound by more than 3% in three
+rounds of four (round by round, as the targets): then the bound is wrong.
 FLOPs and bytes come from XLA's ``cost_analysis()``, memory from
 ``memory_analysis()``; both are deterministic. A second table gives the host
 time per call against the number of param leaves (10, 100, 1000). Results go
@@ -632,24 +631,31 @@ def targets(name: str, k: int, r: dict[str, Any]) -> dict[str, Target]:
 
 
 def bounds_violated(r: dict[str, Any]) -> list[str]:
-  """Variants whose best round beats their bound's best round beyond the slack.
+  """Variants faster than their bound beyond the slack in three rounds of four.
 
-  Minima, not medians: the fastest round is the one least disturbed by the
-  machine, so best against best tests the bound itself. Three copies of the
-  same program on the compute-bound MLP gave medians 3% apart in one run.
+  Round by round, as the targets pair them (see :func:`round_times`): a round
+  times every variant side by side, so a quiet moment that lands on one
+  variant's best round does not count. Best rounds compared alone did: on a
+  noisy run of the 400 leaves at k = 16 the stream's best round was 0.84x
+  the floor's, while the stream was slower than the floor in three rounds of
+  four (ratios 1.02-1.21).
   """
-  best = {label: entry["min"] for label, entry in r.items() if "min" in entry}
+  t = {label: np.asarray(e["rounds"]) for label, e in r.items() if "rounds" in e}
   streams = ("stream", "stream_in_graph", "stream_handwritten", "optax")
   checks = [(v, "limit") for v in streams]
-  if "floor" in best:  # The window's floor (see round_times).
+  if "floor" in t:  # The window's floor (see round_times).
     checks += [(v, "floor") for v in streams[:3]]
   checks += [("scan", "scan_limit"), ("scan_handwritten", "scan_limit")]
-  return [
-    f"best {variant} {best[variant]:.3f} ms < {BOUND_SLACK} x best {bound} "
-    f"{best[bound]:.3f} ms"
-    for variant, bound in checks
-    if best[variant] < BOUND_SLACK * best[bound]
-  ]
+  out = []
+  for variant, bound in checks:
+    ratios = t[variant] / t[bound]
+    ahead = int(np.sum(ratios < BOUND_SLACK))
+    if ahead >= 0.75 * len(ratios):
+      out.append(
+        f"{variant} / {bound} < {BOUND_SLACK} in {ahead} rounds of {len(ratios)} "
+        f"(median {np.median(ratios):.3f})"
+      )
+  return out
 
 
 def host_overhead(leaf_counts: list[int], calls: int) -> list[dict[str, float]]:

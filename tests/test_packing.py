@@ -77,7 +77,8 @@ def test_a_packed_window_ends_in_two_programs_within_the_merged_ones_memory():
   inner, acc, counters = state.inner_opt_state, state.acc_grads, _counters(state)
   merged = _peak(update.lower(params, inner, acc, counters, batch, None, False))
   resident = sum(x.nbytes for x in jax.tree.leaves(inner))
-  assert _peak(accumulate.lower(params, acc, counters, batch, None)) + resident <= merged
+  accumulating = _peak(accumulate.lower(params, acc, counters, batch, None))
+  assert accumulating + resident <= merged
   assert _peak(update.finish.lower(params, inner, acc, counters, None, False)) <= merged
 
 
