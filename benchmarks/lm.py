@@ -8,9 +8,9 @@ valid tokens, AdamW) and each ``k``, in one process, timed as loops run
 medians with the spread over rounds), per window of ``k`` micro-batches:
 
 - ``floor``: ``k`` bare accumulate calls (gradient and weighted add) and one
-  AdamW call, the fastest of: the calls in one loop (per-leaf or contiguous
-  accumulator), and the fastest accumulate call and the AdamW call each timed
-  in a loop of its own;
+  AdamW call, the fastest by median of: the calls in one loop (per-leaf or
+  contiguous accumulator), and the fastest accumulate call and the AdamW call
+  each timed in a loop of its own;
 - ``stream``: ``make_train_step`` streaming; ``in own jit``: the same step
   traced inside the caller's ``jit``; ``optax.MultiSteps``;
 - ``scan``: ``make_train_step(mode="scan")``, against a hand-written window
