@@ -17,8 +17,8 @@ for any of them and blocks once at the end of the round. For each model and
    ``stream_flat_optimizer``: the streaming step (4) with that optimizer;
    ``floor_loop`` and ``floor_loop_flat``: the floor's calls as a loop runs
    them, ``k`` limit calls (per-leaf or contiguous accumulator) and one AdamW
-   call on the sum per window; a window's ``floor`` is, round by round, the
-   fastest of these and ``limit + optimizer / k``;
+   call on the sum per window; a window's ``floor`` is the fastest of these
+   and ``limit + optimizer / k`` by median, with that one's rounds;
    ``stream_handwritten``: a streamed window written by hand, ``k``
    hand-written accumulate calls and one call that divides, runs AdamW and
    empties the sum;
@@ -434,9 +434,9 @@ def bench_model(
   rounds.add("stream_flat_optimizer", stream_flat_run.loop(micro_steps), micro_steps)
 
   # (2b) the floor as a loop runs it, with either accumulator: k limit calls,
-  # then one AdamW call on the sum. Dispatching the optimizer's buffers then
-  # overlaps the accumulate calls' work, as in the streaming step; the same
-  # calls in loops of their own do not overlap (limit + optimizer/k).
+  # then one AdamW call on the sum. In loops of their own (limit + optimizer
+  # / k) the same calls do not interleave as a training loop's do, and on
+  # many small leaves that cost differs (docs/benchmarks.md).
   unravel = ravel_pytree(params0)[1]
   opt_unravel_jit = jax.jit(
     lambda p, s, acc: optimizer(p, s, unravel(acc)), donate_argnums=(0, 1)
@@ -762,7 +762,7 @@ def markdown(runs: list[dict[str, Any]], overhead: list[dict[str, float]]) -> st
     lines.append(
       f"| {run['model']} | {run['k']} | {cells} | "
       f"{r['limit']['source'].removeprefix('limit_')} | "
-      f"{floor_of(t, run['k'])[0]} | "
+      f"{r['floor']['source']} | "
       + " | ".join(f"{np.median(ratio):.3f}" for ratio in ratios)
       + " |"
     )
