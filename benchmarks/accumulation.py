@@ -555,7 +555,7 @@ def bench_model(
     "rounds": results[faster]["rounds"],
     "source": faster,
   }
-  source, floor = floor_of(round_times(results, k), k)
+  source, floor = floor_of(_rounds(results), k)
   results["floor"] = {
     "ms": float(np.median(floor)),
     "min": float(floor.min()),
@@ -595,10 +595,15 @@ def round_times(r: dict[str, Any], k: int) -> dict[str, Any]:
   three noisy times is biased low (on a noisy run of the LM it was 0.92x
   the limit's k calls alone).
   """
-  t = {label: np.asarray(e["rounds"]) for label, e in r.items() if "rounds" in e}
+  t = _rounds(r)
   t["floor"] = floor_of(t, k)[1]
   t["scan_floor"] = t["scan_limit"] + t["optimizer"]
   return t
+
+
+def _rounds(r: dict[str, Any]) -> dict[str, Any]:
+  """Each timed variant's rounds, as arrays."""
+  return {label: np.asarray(e["rounds"]) for label, e in r.items() if "rounds" in e}
 
 
 def floor_of(t: dict[str, Any], k: int) -> tuple[str, Any]:
@@ -652,7 +657,7 @@ def bounds_violated(r: dict[str, Any]) -> list[str]:
   the floor's, while the stream was slower than the floor in three rounds of
   four (ratios 1.02-1.21).
   """
-  t = {label: np.asarray(e["rounds"]) for label, e in r.items() if "rounds" in e}
+  t = _rounds(r)
   streams = ("stream", "stream_in_graph", "stream_handwritten", "optax")
   checks = [(v, "limit") for v in streams]
   if "floor" in t:  # The window's floor (see round_times).

@@ -271,13 +271,13 @@ class PackedUpdate:
   """The update program on a packed accumulator, run as two: ``accumulate``
   adds the micro-batch, ``finish`` ends the window.
 
-  On XLA:CPU, in loops of windows (400 leaves, k = 4), the two took
-  0.77-0.85x the time of one program doing both, with the same results; called alone,
-  in a loop of their own, each way cost the same (1.02x). What differs is
-  how consecutive calls overlap, where dispatching params and optimizer
-  state (1,200 buffers) weighs as much as the work. ``merged`` (the update
-  body as one program) is what :meth:`lower` gives for XLA's analyses: its
-  peak memory bounds each of the two's.
+  On XLA:CPU, in loops of windows (400 leaves, k = 4), the two took 0.77-0.85x
+  the time of one program doing both, with the same results; called alone, in
+  a loop of their own, each way cost the same (1.02x). What differs is how
+  consecutive calls overlap, where dispatching params and optimizer state
+  (1,200 buffers) weighs as much as the work. ``merged`` (the update body as
+  one program) is what :meth:`lower` gives for XLA's analyses: its peak memory
+  bounds each of the two's.
   """
 
   def __init__(
