@@ -75,8 +75,8 @@ class Layouts:
     Under plain ``jit`` (concrete arrays: not inside ``shard_map``) with
     ``axis_name``, or with a batch split over ``Explicit`` data axes, the
     accumulator holds per-replica partial sums; anywhere else one sum, packed
-    when streaming on one device. Called for a state the step did not return
-    last.
+    on one device. Called for a state the step did not return last (and in
+    scan mode on every call).
     """
     if is_traced(params, opt_state, batch):
       return params, self._summed(params, self._unpacked(params, opt_state)), None
@@ -98,6 +98,16 @@ class Layouts:
       return params, self._summed(params, opt_state), None
     accs = [per_replica(acc, params, layout) for acc in self._accumulators(opt_state)]
     return params, self._rebuilt(opt_state, accs), layout
+
+  def local(self, params: Any, inner: Any, batch: Any) -> bool:
+    """Whether a call starting an empty window runs on one sum, unpacked, in
+    the programs of ``one_sum``: traced, or on one device without
+    ``axis_name``. (A state without sums has nothing to pack.)"""
+    if is_traced(params, inner, batch):
+      return True
+    if self.bodies.config.axis_name is not None or mesh_of(params, batch):
+      return False
+    return len(_devices(params)) <= 1
 
   def _accumulators(self, opt_state: MultiStepsState) -> Any:
     """The state's accumulators: one like params, or one per loss term."""
@@ -123,7 +133,7 @@ class Layouts:
     config = self.bodies.config
     if config.terms is not None or config.should_skip_update_fn is not None:
       return None
-    key = _avals(params)
+    key = avals(params)
     if key not in self._packings:
       shapes = jax.eval_shape(self.bodies.optimizer.init, params).acc_grads
       self._packings[key] = _packing.plan(shapes, params)
@@ -138,8 +148,8 @@ class Layouts:
 
   def _packing_of(self, params: Any) -> Packing | None:
     """The packing a call on no mesh, outside the user's ``jit``, runs with:
-    streaming on one device without ``axis_name``; else ``None``."""
-    if self.mode != "stream" or self.bodies.config.axis_name is not None:
+    on one device without ``axis_name``; else ``None``."""
+    if self.bodies.config.axis_name is not None:
       return None
     if len(_devices(params)) > 1:
       return None
@@ -164,7 +174,7 @@ class Layouts:
     layout = _deferred.candidate(params, batch, self.bodies.config, scan=scan)
     if layout is None:
       return None
-    key = (layout, *map(_avals, (params, batch)), rng is None)
+    key = (layout, *map(avals, (params, batch)), rng is None)
     if key not in self._chosen:
       acc = _stacked_like(self.bodies.optimizer, params, layout)
       micro_batch = _deferred.micro_batch_like(batch) if scan else batch
@@ -209,6 +219,8 @@ class Layouts:
     bodies = PackedPrograms(self.bodies, packing)
     in_place = (0, 1, 2) if donate else ()
     accumulate = PackedProgram(recent, bodies.accumulate, 1, 0, (1,) if donate else ())
+    if self.mode == "scan":
+      return accumulate, PackedProgram(recent, bodies.scan, 2, 2, in_place)
     finish = PackedProgram(recent, bodies.finish, 2, 2, in_place)
     merged = PackedProgram(recent, bodies.update, 2, 2, in_place)
     return accumulate, PackedUpdate(accumulate, finish, merged)
@@ -221,7 +233,7 @@ def _devices(tree: Any) -> set[Any]:
   }
 
 
-def _avals(tree: Any) -> tuple[Any, ...]:
+def avals(tree: Any) -> tuple[Any, ...]:
   """What a jit cache sees of ``tree``: structure, shapes, dtypes, shardings."""
   leaves, treedef = jax.tree.flatten(tree)
   return treedef, tuple(

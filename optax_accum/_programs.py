@@ -315,12 +315,20 @@ class Programs:
 
     With replicas each sums its own micro-batches inside the loop, and the
     partial sums are added up once after it. A streamed part of the window
-    that ``acc`` holds already summed joins after that reduction.
+    that ``acc`` holds already summed joins after that reduction. ``acc``
+    ``None``: the window is empty (``mini_step`` 0), and the sums are neither
+    read nor returned (``None`` in their place): each of their buffers costs
+    the host time on every call.
     """
     _check_leading_axis(batch)
     axes, partial = self.reduction.axes, self.reduction.at_window_end
     loop = self.reduction.per_window()
-    start = acc if partial or not axes else jax.tree.map(_own_zeros(loop), acc)
+    empty = acc is None
+    if empty:
+      terms = len(self.config.terms or ())
+      acc = _terms.empty(params, self.config.accumulator_dtype, terms).acc_grads
+    own = axes and (empty or not partial)
+    start = jax.tree.map(_own_zeros(loop), acc) if own else acc
 
     def body(state: MultiStepsState, micro_batch: Any) -> Any:
       added, _, _, aux = self._add(params, state, micro_batch, rng, loop)
@@ -329,15 +337,17 @@ class Programs:
     added, auxs = jax.lax.scan(body, joined(counters_, None, start), batch)
     partial_sums = added.acc_grads
     window = loop.window_gradient(partial_sums)
-    if axes and not partial:
+    if axes and not partial and not empty:
       streamed = counters_.mini_step > 0
       window = jax.tree.map(
         lambda total, a: total + jnp.where(streamed, a, jnp.zeros_like(a)), window, acc
       )
-    summed = added._replace(acc_grads=window, inner_opt_state=inner)
+    summed = added._replace(acc_grads=self.as_params(window), inner_opt_state=inner)
     params, inner, counters_, out = self._end(
       summed, jnp.array(True), params, auxs, None
     )
+    if empty:
+      return params, inner, None, counters_, out
     return params, inner, partial_sums if partial else window, counters_, out
 
   def _end(

@@ -18,7 +18,7 @@ import optax
 from jax.typing import ArrayLike
 
 from optax_accum import _checks, _reduction, _terms
-from optax_accum._layouts import Layout, Layouts, is_traced
+from optax_accum._layouts import Layout, Layouts, avals, is_traced
 from optax_accum._multi_steps import EveryKSchedule, MultiSteps, MultiStepsState
 from optax_accum._programs import (
   Metrics,
@@ -172,6 +172,9 @@ class TrainStep:
       self._bodies, mode, donate, (self.accumulate_program, self.update_program)
     )
     self._known: _Known | None = None
+    # Scan mode with the inner optimizer's own state: per params' shapes, that
+    # state's structure and the counters of an empty window.
+    self._empty: dict[Any, tuple[Any, MultiStepsState]] = {}
 
   def __call__(
     self,
@@ -221,23 +224,37 @@ class TrainStep:
   ) -> tuple[Any, Any, Metrics]:
     """Scan mode: a whole window; the optimizer's own state comes back as such."""
     _check_scan_end_window(end_window)
-    own = not isinstance(opt_state, MultiStepsState)
-    state = self._around(params, opt_state) if own else opt_state
-    params, state, layout = self._layouts.arranged(params, state, batch, rng)
+    if isinstance(opt_state, MultiStepsState):
+      params, state, layout = self._layouts.arranged(params, opt_state, batch, rng)
+      return self._run_update(params, state, batch, rng, layout=layout)
+    # The inner optimizer's own state: where the call runs on one sum, the
+    # window's sums live only inside the program (``Programs.scan``).
+    local = self._layouts.local(params, opt_state, batch)
+    state, layout = self._around(params, opt_state, sums=not local), None
+    if not local:
+      params, state, layout = self._layouts.arranged(params, state, batch, rng)
     params, state, metrics_ = self._run_update(params, state, batch, rng, layout=layout)
-    return params, state.inner_opt_state if own else state, metrics_
+    return params, state.inner_opt_state, metrics_
 
-  def _around(self, params: Any, inner: Any) -> MultiStepsState:
-    """The inner optimizer's own state (``tx.init(params)``) in an empty window.
+  def _around(self, params: Any, inner: Any, sums: bool) -> MultiStepsState:
+    """The inner optimizer's own state (``tx.init(params)``) in an empty window,
+    with its sums (zeros) or ``None`` for them.
 
     In scan mode every call is a whole window: nothing else needs to persist.
     """
-    expected = jax.eval_shape(self.optimizer.inner_opt.init, params)
-    if jax.tree.structure(inner) != jax.tree.structure(expected):  # type: ignore[operator]  # jaxlib stub gap
+    key = avals(params)
+    if key not in self._empty:
+      inner_shapes = jax.eval_shape(self.optimizer.inner_opt.init, params)
+      shapes = counters(jax.eval_shape(self.optimizer.init, params))
+      with jax.ensure_compile_time_eval():  # Arrays, even in the user's jit.
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+      self._empty[key] = jax.tree.structure(inner_shapes), zeros
+    expected, zeros = self._empty[key]  # Counters: read, never donated.
+    if jax.tree.structure(inner) != expected:
       _check_state(inner)  # Raises: neither a MultiStepsState nor the inner one.
     check_single_accumulation(inner)
-    shapes = jax.eval_shape(self.optimizer.init, params)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), counters(shapes))
+    if not sums:
+      return zeros._replace(inner_opt_state=inner)
     config = self.optimizer.config
     window = _terms.empty(params, config.accumulator_dtype, len(config.terms or ()))
     return zeros._replace(**window._asdict(), inner_opt_state=inner)
@@ -293,7 +310,11 @@ class TrainStep:
     program for micro-steps that cannot.
     """
     if self.mode == "scan" and not isinstance(opt_state, MultiStepsState):
-      opt_state = self._around(params, opt_state)
+      local = self._layouts.local(params, opt_state, batch)
+      opt_state = self._around(params, opt_state, sums=not local)
+      if local:
+        split = (opt_state.inner_opt_state, None, counters(opt_state))
+        return self.update_program.lower(params, *split, batch, rng)
     params, opt_state, layout = self._layouts.arranged(params, opt_state, batch, rng)
     accumulate_program, update_program = self._layouts.programs(layout)
     split = (opt_state.inner_opt_state, opt_state.acc_grads, counters(opt_state))

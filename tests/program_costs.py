@@ -6,8 +6,9 @@ recorded figures. Both are deterministic for one jax version, so a refactor
 that adds a pass or a buffer to a program fails the test. The entry of the
 packed accumulator (``packed``) was added when packing came (issue 29) and
 recorded again when the programs came to pack the gradients (fewer kernels
-and less scratch; one more pass over the gradients in the update); the others
-were recorded before packing, and the step runs them without it.
+and less scratch; one more pass over the gradients in the update); the packed
+scan window's entry when scan mode came to pack. The others were recorded
+before packing, and the step runs them without it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ CONFIGS = (
   ("leaves-400x32-b4", "stream", None, False),
   ("leaves-400x32-b4", "stream", None, True),
   ("leaves-400x32-b4", "scan", None, False),
+  ("leaves-400x32-b4", "scan", None, True),
   ("mlp-256x4-b8", "stream", "data", False),
   ("mlp-256x4-b8", "scan", "data", False),
 )

@@ -1,9 +1,9 @@
 """The packed accumulator (issue 29, item 2): fewer buffers, the same numbers.
 
-On one device the streaming step passes the sums of many small leaves as one
-buffer per dtype (:mod:`optax_accum._packing`). Every program's results must
-stay bit-identical to the one-sum layout's, on the benchmark models, through
-a checkpoint and into every path that does not pack.
+On one device the step (streaming or scan) passes the sums of many small
+leaves as one buffer per dtype (:mod:`optax_accum._packing`). Every program's
+results must stay bit-identical to the one-sum layout's, on the benchmark
+models, through a checkpoint and into every path that does not pack.
 """
 
 import pathlib
@@ -60,6 +60,53 @@ def test_packed_programs_are_bit_identical_on_the_benchmark_models(name, monkeyp
   assert one_sum[3] is None and isinstance(packed[3], _packing.Packing)
   for what, a, b in zip(["params", "state", "metrics"], one_sum, packed, strict=False):
     assert _bitwise_equal(a, b), what
+
+
+def _scan(model, windows, min_leaves, monkeypatch, own=False):
+  """A scan-mode run of ``windows`` windows of ``K`` micro-batches (``own``:
+  from the inner optimizer's own state): params, inner state, metrics."""
+  monkeypatch.setattr(_packing, "MIN_LEAVES", min_leaves)
+  opt = optax_accum.MultiSteps(optax.adamw(1e-2, weight_decay=0.1), K)
+  step = optax_accum.make_train_step(model["loss_fn"], opt, mode="scan")
+  params = jax.tree.map(jnp.copy, model["params"])
+  state = opt.inner_opt.init(params) if own else opt.init(params)
+  metrics = []
+  for _ in range(windows):
+    window = optax_accum.split_micro_batches(model["batch"](K * model["rows"]), K)
+    params, state, out = step(params, state, window)
+    metrics.append({k: v for k, v in out.items() if k != "update_count"})
+  return params, state if own else state.inner_opt_state, metrics
+
+
+def test_scan_mode_packs_and_starts_empty_windows_bit_identically(monkeypatch):
+  """Scan mode packs a state's sums as streaming does, and from the inner
+  optimizer's own state keeps them inside the program: three windows give
+  the same params, inner state and metrics bit for bit every way (on the
+  LM's leaves of many shapes)."""
+  model = accumulation.MODELS["lm-1x8-b2"]
+  one_sum = _scan(model(), 3, 10**9, monkeypatch)
+  assert _bitwise_equal(one_sum, _scan(model(), 3, 2, monkeypatch))
+  assert _bitwise_equal(one_sum, _scan(model(), 3, 2, monkeypatch, own=True))
+
+
+def test_scan_from_the_inner_state_passes_no_sums():
+  """From ``tx.init(params)`` the scan program neither takes nor returns the
+  window's sums (a buffer a leaf): the host passes params, inner state,
+  counters and batch, and gets back params, inner state, counters, metrics."""
+  model = accumulation.MODELS["lm-1x8-b2"]()
+  opt = optax_accum.MultiSteps(optax.adamw(1e-3), K)
+  step = optax_accum.make_train_step(model["loss_fn"], opt, mode="scan")
+  params, inner = model["params"], opt.inner_opt.init(model["params"])
+  window = optax_accum.split_micro_batches(model["batch"](K * model["rows"]), K)
+  lowered = step.lower(params, inner, window)
+  compiled = lowered.compile()
+  counters = _counters(opt.init(params))
+  expected_in = [params, inner, counters, window]
+  assert len(jax.tree.leaves(lowered.args_info)) == len(jax.tree.leaves(expected_in))
+  expected_out = [params, inner, counters]
+  metrics = len(jax.tree.leaves(jax.eval_shape(step, params, inner, window)[2]))
+  outputs = len(jax.tree.leaves(compiled.output_shardings))
+  assert outputs == len(jax.tree.leaves(expected_out)) + metrics
 
 
 def test_a_packed_window_ends_in_two_programs_within_the_merged_ones_memory():

@@ -449,6 +449,20 @@ def test_scan_mode_takes_the_optimizers_own_state_and_returns_it():
   assert lowered.compile().memory_analysis() is not None
 
 
+def test_scan_mode_from_the_optimizers_own_state_runs_in_the_users_jit():
+  """The same window in the user's ``jit``, before and after a call outside
+  it, as outside: what the step keeps between calls holds no tracer."""
+  tx, params = optax.adamw(1e-2), toy_lm.init_params(seed=0)
+  step = optax_accum.make_train_step(toy_lm.mean_loss, tx, mode="scan", donate=False)
+  window = split_micro_batches(toy_lm.make_batch(seed=0), 4)
+  with jax.checking_leaks():  # Raises where a tracer outlives its trace.
+    first = jax.jit(step)(params, tx.init(params), window)
+    outside = step(params, tx.init(params), window)
+    again = jax.jit(step)(params, tx.init(params), window)
+  for got in (outside, again):
+    assert toy_lm.max_rel_diff(got[0], first[0]) <= 1e-6
+
+
 def test_a_plain_optimizer_that_accumulates_already_is_refused():
   inner = optax.MultiSteps(optax.adam(1e-3), 2).gradient_transformation()
   step = optax_accum.make_train_step(toy_lm.mean_loss, inner, mode="scan")
