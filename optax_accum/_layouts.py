@@ -99,7 +99,7 @@ class Layouts:
     accs = [per_replica(acc, params, layout) for acc in self._accumulators(opt_state)]
     return params, self._rebuilt(opt_state, accs), layout
 
-  def local(self, params: Any, inner: Any, batch: Any) -> bool:
+  def on_one_sum(self, params: Any, inner: Any, batch: Any) -> bool:
     """Whether a call starting an empty window runs on one sum, unpacked, in
     the programs of ``one_sum``: traced, or on one device without
     ``axis_name``. (A state without sums has nothing to pack.)"""

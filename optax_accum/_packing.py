@@ -4,8 +4,8 @@ Every buffer a program takes or returns costs the host time on every call,
 whatever its size, and XLA:CPU runs a kernel per leaf for each small add. On a
 model of many small leaves (an unscanned transformer's norms and biases, or
 hundreds of small layers) the step's accumulator then costs more to pass and to
-launch than to add to. In the packed layout the step passes one
-buffer per group of small leaves of one dtype instead. Inside the programs
+launch than to add to. In the packed layout the step passes one buffer per
+group of small leaves of one dtype instead. Inside the programs
 (:class:`PackedPrograms`) each micro-batch's gradients are packed alike and
 added to a group in one pass; the optimizer gets the sums cut back into
 leaves. The arithmetic is the same element by element, so every result is

@@ -225,16 +225,37 @@ class TrainStep:
     """Scan mode: a whole window; the optimizer's own state comes back as such."""
     _check_scan_end_window(end_window)
     if isinstance(opt_state, MultiStepsState):
-      params, state, layout = self._layouts.arranged(params, opt_state, batch, rng)
-      return self._run_update(params, state, batch, rng, layout=layout)
+      return self._scanned(params, opt_state, batch, rng)
     # The inner optimizer's own state: where the call runs on one sum, the
     # window's sums live only inside the program (``Programs.scan``).
-    local = self._layouts.local(params, opt_state, batch)
-    state, layout = self._around(params, opt_state, sums=not local), None
-    if not local:
+    one_sum = self._layouts.on_one_sum(params, opt_state, batch)
+    state, layout = self._around(params, opt_state, sums=not one_sum), None
+    if not one_sum:
       params, state, layout = self._layouts.arranged(params, state, batch, rng)
     params, state, metrics_ = self._run_update(params, state, batch, rng, layout=layout)
     return params, state.inner_opt_state, metrics_
+
+  def _scanned(
+    self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
+  ) -> StepOutput:
+    """Scan mode on a ``MultiStepsState``: a state the step returned last runs
+    in its layout, unchecked (its buffers are the programs' own), as a
+    streamed state does; any other is arranged first."""
+    known = self._known
+    if known is not None and known.describes(opt_state):
+      fresh, layout = params is known.params, known.layout
+    else:
+      params, opt_state, layout = self._layouts.arranged(params, opt_state, batch, rng)
+      fresh = False
+    out = self._run_update(
+      params, opt_state, batch, rng, check_aliasing=not fresh, layout=layout
+    )
+    if not isinstance(out[1].mini_step, jax.core.Tracer):
+      state = out[1]
+      self._known = _Known(
+        state.mini_step, state.gradient_step, 0, None, out[0], _UNKNOWN, layout
+      )
+    return out
 
   def _around(self, params: Any, inner: Any, sums: bool) -> MultiStepsState:
     """The inner optimizer's own state (``tx.init(params)``) in an empty window,
@@ -310,9 +331,9 @@ class TrainStep:
     program for micro-steps that cannot.
     """
     if self.mode == "scan" and not isinstance(opt_state, MultiStepsState):
-      local = self._layouts.local(params, opt_state, batch)
-      opt_state = self._around(params, opt_state, sums=not local)
-      if local:
+      one_sum = self._layouts.on_one_sum(params, opt_state, batch)
+      opt_state = self._around(params, opt_state, sums=not one_sum)
+      if one_sum:
         split = (opt_state.inner_opt_state, None, counters(opt_state))
         return self.update_program.lower(params, *split, batch, rng)
     params, opt_state, layout = self._layouts.arranged(params, opt_state, batch, rng)

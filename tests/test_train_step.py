@@ -463,6 +463,28 @@ def test_scan_mode_from_the_optimizers_own_state_runs_in_the_users_jit():
     assert toy_lm.max_rel_diff(got[0], first[0]) <= 1e-6
 
 
+def test_scan_mode_arranges_only_a_state_it_did_not_return(monkeypatch):
+  """A state the scan step returned last runs as it came back (its layout
+  remembered, as when streaming); a copy of it, as from a checkpoint, is
+  arranged again, and both windows give the same params."""
+  opt = optax_accum.MultiSteps(optax.adamw(1e-2), 4)
+  step = optax_accum.make_train_step(toy_lm.mean_loss, opt, mode="scan")
+  arranged, calls = step._layouts.arranged, []
+  monkeypatch.setattr(
+    step._layouts, "arranged", lambda *args: calls.append(1) or arranged(*args)
+  )
+  params, state = toy_lm.init_params(seed=0), opt.init(toy_lm.init_params(seed=0))
+  windows = [split_micro_batches(toy_lm.make_batch(seed=i), 4) for i in range(3)]
+  for window in windows[:2]:
+    params, state, _ = step(params, state, window)
+  assert len(calls) == 1
+  copied = jax.tree.map(jnp.copy, (params, state))
+  returned, _, _ = step(params, state, windows[2])
+  restored, _, _ = step(*copied, windows[2])
+  assert len(calls) == 2
+  assert toy_lm.max_rel_diff(returned, restored) == 0
+
+
 def test_a_plain_optimizer_that_accumulates_already_is_refused():
   inner = optax.MultiSteps(optax.adam(1e-3), 2).gradient_transformation()
   step = optax_accum.make_train_step(toy_lm.mean_loss, inner, mode="scan")
