@@ -105,9 +105,7 @@ class Layouts:
     ``axis_name``. (A state without sums has nothing to pack.)"""
     if is_traced(params, inner, batch):
       return True
-    if self.bodies.config.axis_name is not None or mesh_of(params, batch):
-      return False
-    return len(_devices(params)) <= 1
+    return mesh_of(params, batch) is None and self._on_one_device(params)
 
   def _accumulators(self, opt_state: MultiStepsState) -> Any:
     """The state's accumulators: one like params, or one per loss term."""
@@ -149,11 +147,12 @@ class Layouts:
   def _packing_of(self, params: Any) -> Packing | None:
     """The packing a call on no mesh, outside the user's ``jit``, runs with:
     on one device without ``axis_name``; else ``None``."""
-    if self.bodies.config.axis_name is not None:
-      return None
-    if len(_devices(params)) > 1:
-      return None
-    return self._packing(params)
+    return self._packing(params) if self._on_one_device(params) else None
+
+  def _on_one_device(self, params: Any) -> bool:
+    """Whether params (on no mesh) are on one device, without ``axis_name``."""
+    no_axis = self.bodies.config.axis_name is None
+    return no_axis and len(_devices(params)) <= 1
 
   def _packed(
     self, params: Any, opt_state: MultiStepsState, packing: Packing

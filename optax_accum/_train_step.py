@@ -226,36 +226,35 @@ class TrainStep:
     _check_scan_end_window(end_window)
     if isinstance(opt_state, MultiStepsState):
       return self._scanned(params, opt_state, batch, rng)
-    # The inner optimizer's own state: where the call runs on one sum, the
-    # window's sums live only inside the program (``Programs.scan``).
-    one_sum = self._layouts.on_one_sum(params, opt_state, batch)
-    state, layout = self._around(params, opt_state, sums=not one_sum), None
-    if not one_sum:
-      params, state, layout = self._layouts.arranged(params, state, batch, rng)
+    params, state, layout = self._own_window(params, opt_state, batch, rng)
     params, state, metrics_ = self._run_update(params, state, batch, rng, layout=layout)
     return params, state.inner_opt_state, metrics_
 
   def _scanned(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
   ) -> StepOutput:
-    """Scan mode on a ``MultiStepsState``: a state the step returned last runs
-    in its layout, unchecked (its buffers are the programs' own), as a
-    streamed state does; any other is arranged first."""
-    known = self._known
-    if known is not None and known.describes(opt_state):
-      fresh, layout = params is known.params, known.layout
-    else:
-      params, opt_state, layout = self._layouts.arranged(params, opt_state, batch, rng)
-      fresh = False
+    """Scan mode on a ``MultiStepsState``: as when streaming, a state the step
+    returned last runs in its layout, unchecked (its buffers are the
+    programs' own); any other is arranged first."""
+    known, params, opt_state, _ = self._recalled(params, opt_state, batch, rng)
+    fresh = params is known.params  # Returned by the last call.
     out = self._run_update(
-      params, opt_state, batch, rng, check_aliasing=not fresh, layout=layout
+      params, opt_state, batch, rng, check_aliasing=not fresh, layout=known.layout
     )
     if not isinstance(out[1].mini_step, jax.core.Tracer):
-      state = out[1]
-      self._known = _Known(
-        state.mini_step, state.gradient_step, 0, None, out[0], _UNKNOWN, layout
-      )
+      self._remember(known, out, ends=True)
     return out
+
+  def _own_window(
+    self, params: Any, inner: Any, batch: Any, rng: Any
+  ) -> tuple[Any, MultiStepsState, Layout]:
+    """The inner optimizer's own state in an empty window, arranged, and its
+    layout. Where the call runs on one sum the window's sums live only inside
+    the program (``Programs.scan``): the state has ``None`` for them."""
+    if self._layouts.on_one_sum(params, inner, batch):
+      return params, self._around(params, inner, sums=False), None
+    state = self._around(params, inner, sums=True)
+    return self._layouts.arranged(params, state, batch, rng)
 
   def _around(self, params: Any, inner: Any, sums: bool) -> MultiStepsState:
     """The inner optimizer's own state (``tx.init(params)``) in an empty window,
@@ -331,12 +330,9 @@ class TrainStep:
     program for micro-steps that cannot.
     """
     if self.mode == "scan" and not isinstance(opt_state, MultiStepsState):
-      one_sum = self._layouts.on_one_sum(params, opt_state, batch)
-      opt_state = self._around(params, opt_state, sums=not one_sum)
-      if one_sum:
-        split = (opt_state.inner_opt_state, None, counters(opt_state))
-        return self.update_program.lower(params, *split, batch, rng)
-    params, opt_state, layout = self._layouts.arranged(params, opt_state, batch, rng)
+      params, opt_state, layout = self._own_window(params, opt_state, batch, rng)
+    else:
+      params, opt_state, layout = self._layouts.arranged(params, opt_state, batch, rng)
     accumulate_program, update_program = self._layouts.programs(layout)
     split = (opt_state.inner_opt_state, opt_state.acc_grads, counters(opt_state))
     if program == "accumulate" and self.mode == "stream":
