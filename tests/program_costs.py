@@ -49,7 +49,7 @@ def _model(name: str) -> dict[str, Any]:
   return mlp(256, 4, 8) if name == "mlp-256x4-b8" else MODELS[name]()
 
 
-def _figures(lowered: jax.stages.Lowered) -> dict[str, float]:
+def figures(lowered: jax.stages.Lowered) -> dict[str, float]:
   compiled = lowered.compile()
   cost = compiled.cost_analysis()
   memory = compiled.memory_analysis()
@@ -98,7 +98,7 @@ def _program_costs(model: str, mode: str, axis_name: str | None) -> dict[str, An
   state = opt.init(params)
   programs = ("accumulate", "update") if mode == "stream" else ("update",)
   return {
-    name: _figures(step.lower(params, state, batch, program=name)) for name in programs
+    name: figures(step.lower(params, state, batch, program=name)) for name in programs
   }
 
 
