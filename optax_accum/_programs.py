@@ -360,9 +360,15 @@ class Programs:
     if grads_like is None or self.config.terms is not None:
       grads_like = params
     window, divides = ms.window_of(added), self.config.divides
-    squares = _terms.squares(window, grads_like, divides)
     positive = ends & _terms.has_weight(window)
-    flag = _terms.nonfinite(window, squares)
+
+    def checked(_: Any) -> tuple[jax.Array, jax.Array]:
+      squares = _terms.squares(window, grads_like, divides)
+      return squares, _terms.nonfinite(window, squares)
+
+    # Only a window that ends reads its sums: traced in the user's jit,
+    # ``ends`` is known only on the device, and every micro-step runs this.
+    squares, flag = once_if(positive, checked, _zeros(jax.eval_shape(checked, None)))
     nonfinite = positive & self.reduction.any(flag, added.acc_weight)
     applies = positive & ~nonfinite
     loss = self.optimizer.window_loss(added)
@@ -386,6 +392,10 @@ class Programs:
     if self.has_aux:
       out["aux"] = aux
     return params, inner, counters(new), out
+
+
+def _zeros(shapes: Any) -> Any:
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 def _own_zeros(reduction: Any) -> Callable[[jax.Array], jax.Array]:
