@@ -178,8 +178,9 @@ def test_update_program_writes_no_params_sized_constant():
 def test_step_in_your_jit_reads_the_sums_only_where_a_window_ends():
   """Traced in the caller's ``jit`` the step runs its update program on every
   micro-step. The window's norm and finite check (a reduction a leaf) run
-  inside the loop that ends the window, as the optimizer does: outside it
-  the program reduces no more than the bare accumulate call.
+  in a loop that runs only where a window ends, as the optimizer's does:
+  outside its loops the program reduces no more than the bare accumulate
+  call.
 
   Computed before that loop they read every sum on every micro-step: the
   8M-param MLP took 1.34x its floor a micro-step, and 0.99x once they were
