@@ -368,7 +368,7 @@ class Programs:
 
     # Only a window that ends reads its sums: traced in the user's jit,
     # ``ends`` is known only on the device, and every micro-step runs this.
-    squares, flag = once_if(positive, checked, _zeros(jax.eval_shape(checked, None)))
+    squares, flag = once_if(positive, checked, zeros(jax.eval_shape(checked, None)))
     nonfinite = positive & self.reduction.any(flag, added.acc_weight)
     applies = positive & ~nonfinite
     loss = self.optimizer.window_loss(added)
@@ -394,7 +394,8 @@ class Programs:
     return params, inner, counters(new), out
 
 
-def _zeros(shapes: Any) -> Any:
+def zeros(shapes: Any) -> Any:
+  """Zeros shaped and typed as ``shapes`` (``jax.eval_shape``'s output)."""
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 

@@ -27,6 +27,7 @@ from optax_accum._programs import (
   joined,
   learning_rate,
   metrics,
+  zeros,
 )
 from optax_accum._reduction import AxisName
 from optax_accum._state import check_single_accumulation
@@ -267,17 +268,17 @@ class TrainStep:
       inner_shapes = jax.eval_shape(self.optimizer.inner_opt.init, params)
       shapes = counters(jax.eval_shape(self.optimizer.init, params))
       with jax.ensure_compile_time_eval():  # Arrays, even in the user's jit.
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-      self._empty[key] = jax.tree.structure(inner_shapes), zeros
-    expected, zeros = self._empty[key]  # Counters: read, never donated.
+        empty = zeros(shapes)
+      self._empty[key] = jax.tree.structure(inner_shapes), empty
+    expected, empty = self._empty[key]  # Counters: read, never donated.
     if jax.tree.structure(inner) != expected:
       _check_state(inner)  # Raises: neither a MultiStepsState nor the inner one.
     check_single_accumulation(inner)
     if not sums:
-      return zeros._replace(inner_opt_state=inner)
+      return empty._replace(inner_opt_state=inner)
     config = self.optimizer.config
     window = _terms.empty(params, config.accumulator_dtype, len(config.terms or ()))
-    return zeros._replace(**window._asdict(), inner_opt_state=inner)
+    return empty._replace(**window._asdict(), inner_opt_state=inner)
 
   def _recalled(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
