@@ -65,7 +65,7 @@ import optax_accum
 
 # The programs' calling convention is internal: the helper that builds their
 # counters argument is imported rather than copied.
-from optax_accum._programs import counters as _counters
+from optax_accum._step._programs import counters as _counters
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 #: A variant may beat its lower bound by this much (timer noise), not more.

@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_accum
 from benchmarks.accumulation import RESULTS, _Rounds, mlp
-from optax_accum._hlo import collectives
+from benchmarks.hlo import collectives
 
 RECIPES = (
   "jit",

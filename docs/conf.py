@@ -47,7 +47,7 @@ def _comment_of_reexported_constant(app, what, name, obj, options, lines):
   if what != "data":
     return
   attr = name.rpartition(".")[2]
-  for module in pkgutil.iter_modules(optax_accum.__path__, "optax_accum."):
+  for module in pkgutil.walk_packages(optax_accum.__path__, "optax_accum."):
     comment = ModuleAnalyzer.for_module(module.name).find_attr_docs().get(("", attr))
     if comment:
       lines[:] = list(comment)

@@ -6,7 +6,7 @@
   and whose ``step`` counts updates.
 """
 
-from optax_accum._linen import TrainState
-from optax_accum._nnx import Optimizer
+from optax_accum._frameworks._linen import TrainState
+from optax_accum._frameworks._nnx import Optimizer
 
 __all__ = ("Optimizer", "TrainState")

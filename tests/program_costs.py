@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_accum
 from benchmarks.accumulation import MODELS, mlp
-from optax_accum import _packing
+from optax_accum._step import _packing
 
 RECORD = pathlib.Path(__file__).parent / "data" / "program_costs.json"
 K = 4

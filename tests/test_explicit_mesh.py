@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum._hlo import collectives
+from benchmarks.hlo import collectives
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 

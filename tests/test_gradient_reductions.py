@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from test_distributed import _adamw, _uneven_batch
 
 import optax_accum
-from optax_accum._hlo import collectives
+from benchmarks.hlo import collectives
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 

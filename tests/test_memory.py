@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import optax_accum
-from optax_accum._hlo import ops
+from benchmarks.hlo import ops
 
 WIDTH, DEPTH, ROWS = 64, 3, 4
 

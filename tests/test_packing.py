@@ -1,7 +1,7 @@
 """The packed accumulator (issue 29, item 2): fewer buffers, the same numbers.
 
 On one device the step (streaming or scan) passes the sums of many small
-leaves as one buffer per dtype (:mod:`optax_accum._packing`). Every program's
+leaves as one buffer per dtype (:mod:`optax_accum._step._packing`). Every program's
 results must stay bit-identical to the one-sum layout's, on the benchmark
 models, through a checkpoint and into every path that does not pack.
 """
@@ -20,8 +20,8 @@ from markdown_examples import documented_function
 
 import optax_accum
 from benchmarks import accumulation
-from optax_accum import _packing
-from optax_accum._programs import counters as _counters
+from optax_accum._step import _packing
+from optax_accum._step._programs import counters as _counters
 
 K = 4
 CHECKPOINTING = pathlib.Path(__file__).parent.parent / "docs" / "checkpointing.md"

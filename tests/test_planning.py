@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum import _planning
+from optax_accum._planning import _plan as _planning
 
 IN, HIDDEN, OUT = 16, 128, 4
 AUTO = jax.sharding.AxisType.Auto

@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum import _packing
+from optax_accum._step import _packing
 
 #: Examples in CI, spread over the paths (about 1 s of CPU each).
 DEFAULT_EXAMPLES = 75  # 5 for each of the 15 paths.

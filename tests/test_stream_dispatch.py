@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import optax_accum
-from optax_accum import _train_step
+from optax_accum._step import _train_step
 
 DIM = 3
 

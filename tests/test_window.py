@@ -4,7 +4,7 @@ import chex
 import jax.numpy as jnp
 import numpy as np
 
-from optax_accum import _reduction, _window
+from optax_accum._core import _reduction, _window
 
 LOCAL = _reduction.Local()
 

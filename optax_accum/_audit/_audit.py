@@ -1,0 +1,453 @@
+"""``audit``: check an accumulation setup against training on the whole batch."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_accum._audit._compare import (
+  GradientFit,
+  compare_params,
+  fit_gradient,
+  leaf_names,
+  rounding_level_leaves,
+)
+from optax_accum._audit._loops import LossView
+from optax_accum._audit._report import AuditReport, Verdict, lr_labels
+from optax_accum._audit._runs import (
+  BatchGradient,
+  GradFn,
+  LoopRun,
+  Reference,
+  copy_arrays,
+  f32,
+  gradient_fn,
+  recombined,
+  resummed_gradient,
+  run_setup,
+  summed,
+  whole_batch_run,
+  whole_gradient,
+)
+from optax_accum._audit._setups import Accumulation, Setup, check_loss_fn, resolve_setup
+from optax_accum._audit._terms import (
+  TermFit,
+  TermGradFn,
+  TermsBatch,
+  TermsEvidence,
+  batch_gradient,
+  declaration_problems,
+  explain,
+  loss_terms,
+  measure,
+  term_gradient_fn,
+)
+from optax_accum._audit._verdicts import Evidence, verdicts
+from optax_accum._audit._windows import Windows, needs_probe, per_micro_step, windows
+from optax_accum._core import _checks
+from optax_accum._progress import split_micro_batches
+
+__all__ = ["Accumulation", "AuditReport", "Verdict", "audit"]
+
+
+def audit(
+  loss_fn: Callable[..., Any],
+  optimizer: optax.GradientTransformation,
+  params: optax.Params,
+  batch: Any,
+  *,
+  k: int,
+  steps: int = 3,
+  split: Callable[[Any, int], Sequence[Any]] | None = None,
+  accumulation: Accumulation | None = None,
+  has_aux: bool = False,
+  tolerance: float = 1e-4,
+) -> AuditReport:
+  """Runs an accumulation setup and the whole batch side by side, and compares.
+
+  The whole-batch side applies ``optimizer`` once per batch. The accumulated
+  side feeds the same data as ``k`` micro-batches per update through your
+  setup: ``accumulation`` if given; the usual loop around ``optimizer`` if it
+  is itself an accumulator (``optax.MultiSteps`` or
+  :class:`optax_accum.MultiSteps`, whose inner optimizer then runs on the
+  whole batch) or holds an :class:`optax_accum.MultiSteps`
+  (``optax.chain(MultiSteps(...).gradient_transformation(), ...)``, whose
+  window the whole batch ends on every update); otherwise
+  :class:`optax_accum.MultiSteps` in :func:`optax_accum.make_train_step`.
+
+  The setup runs ``steps`` updates, then one micro-step more, then is built
+  again (as a restarted process would) and fed ``2 k`` more micro-batches from
+  the params and state it had: updates ``steps + 1`` and ``steps + 2``,
+  compared with the whole batch too where their windows line up.
+
+  The setup also runs around the probe, ``optimizer`` with its updates
+  replaced by the gradient (its state advances as the optimizer's would, so a
+  loop may read ``.hyperparams`` or a count from it), on float32 copies of the
+  params: for the first window, which shows the gradient the setup applies;
+  and for the whole run where the setup's params do not change at exactly the
+  window ends, which shows where it applies updates whatever the learning
+  rate (a schedule that reaches 0 stops the params, not the updates). A
+  second whole-batch run sums the micro-batch gradients (token-weighted)
+  instead of taking the batch's own: the two differ by rounding only, which
+  sets how close each leaf of the setup's params must end.
+
+  Every run gets its own copy of ``params``, so a setup that donates its
+  buffers is fine. Your ``step`` must apply the updates its optimizer returns;
+  it may read the optimizer state.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> (loss, weight)``, the token-mean loss
+      and the number of tokens, or ``(loss, (weight, aux))`` with ``has_aux``;
+      with an ``optax_accum.MultiSteps(grad_reduction="sum")`` as
+      ``optimizer``, the loss summed over tokens, as the train step takes it
+      (the whole batch then takes its token mean). Or loss terms, ``{name:
+      (value, weight)}`` (and the aux with ``has_aux``): each a mean over its
+      own items and their count. The whole batch's objective is then each
+      term's weighted mean over the micro-batches, summed, and a ``terms``
+      verdict names a term your setup or your weights normalise by the wrong
+      count (``docs/audit.md``).
+    optimizer: The optimizer the whole batch would use, or your accumulator
+      around it (``optax.MultiSteps(opt, k)``). Learning rates injected with
+      ``optax.inject_hyperparams`` are compared at every update, in every
+      branch; step counts (``count``) are compared whether injected or not.
+    params: Initial params (not modified).
+    batch: One batch, reused for every update, or a ``list`` of ``steps``
+      batches (the updates after the restart reuse the first two); leaves
+      have a leading batch axis.
+    k: Micro-batches per update (an accumulator's own, where it has one).
+    steps: Updates before the restart.
+    split: ``split(batch, k) -> micro-batches``; defaults to
+      :func:`split_micro_batches`.
+    accumulation: ``accumulation(optimizer, k) -> (init, step)``, your setup:
+      ``init(params) -> state`` and ``step(params, state, micro_batch) ->
+      (params, state)``, called once per micro-batch.
+    has_aux: Whether ``loss_fn`` returns auxiliary outputs.
+    tolerance: Relative error above which a difference counts (raised to the
+      precision of low-precision params for the trajectory).
+
+  Returns:
+    An :class:`AuditReport`; ``report.ok`` is a bool.
+
+  Raises:
+    ValueError: For bad arguments, a ``loss_fn`` that does not return ``(loss,
+      weight)`` or loss terms (or other terms than an
+      :class:`optax_accum.MultiSteps` passed declares), an accumulator passed
+      with ``accumulation``, an
+      ``optax.MultiSteps`` inside another transformation, or a setup that
+      returns params of another structure.
+  """
+  k = _checks.whole_number(k, name="k")
+  steps = _checks.whole_number(steps, name="steps")
+  batches, micro = _micro_batches(batch, k, steps, split)
+  _checks.callable_arg(loss_fn, name="loss_fn")
+  term_names = loss_terms(loss_fn, bool(has_aux), params, micro[0][0])
+  setup = resolve_setup(
+    LossView(loss_fn, bool(has_aux), terms=term_names),
+    optimizer,
+    params,
+    k,
+    accumulation,
+  )
+  check_loss_fn(setup.loss, params, micro[0][0])
+  gradients = _gradients(setup, tolerance)
+  first = _first_batch(gradients, params, batches[0], micro[0], tolerance)
+  # Updates steps + 1 and steps + 2 (after the restart) reuse the first batches.
+  reference, resummed = _whole_batch_runs(setup, gradients, params, batches, micro)
+  run = _setup_run(setup, k, params, micro, reference)
+  probe, w = _probe_runs(setup, k, steps, first.params32, micro, reference, run)
+  fit, term_fit = (None, None) if probe is None else _fit(probe, first, tolerance)
+  lowest = min(jnp.finfo(jnp.result_type(x)).eps for x in jax.tree.leaves(params))
+  trajectory_tol = max(tolerance, 32 * float(lowest))
+  skip = rounding_level_leaves(first.whole_grad, first.resummed_grad)
+  n = w.compared
+  comparison = compare_params(
+    reference.params[:n], resummed.params[:n], run.params[:n], skip, trajectory_tol
+  )
+  chained = setup.probe is None
+  terms = _terms_evidence(first, term_fit, tolerance)
+  evidence = Evidence(fit, probe, w, comparison, reference, run, steps, chained, terms)
+  names = leaf_names(params)
+  report = _report(
+    setup.name, first, evidence, [names[i] for i in skip], trajectory_tol
+  )
+  report.verdicts = verdicts(report, evidence)
+  return report
+
+
+def _terms_evidence(
+  first: _FirstBatch, fit: TermFit | None, tolerance: float
+) -> TermsEvidence | None:
+  """With loss terms, the declarations checked against the whole batch."""
+  if first.terms is None:
+    return None
+  declared = declaration_problems(first.terms, first.params32, tolerance)
+  return TermsEvidence(first.terms, declared, fit)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Gradients:
+  """How the audit takes gradients: a micro-batch's (``one``, or ``of_terms``
+  by loss term), and the whole batch's (``whole``) and its exact re-summation
+  over the micro-batches (``resummed``)."""
+
+  one: GradFn
+  of_terms: TermGradFn | None
+  names: tuple[str, ...]
+  whole: BatchGradient
+  resummed: BatchGradient
+
+
+def _gradients(setup: Setup, tolerance: float) -> _Gradients:
+  grad_fn = gradient_fn(setup.loss)
+  names = setup.loss.terms
+  if not names:
+    return _Gradients(
+      grad_fn, None, (), whole_gradient(grad_fn), resummed_gradient(grad_fn)
+    )
+  term_fn = term_gradient_fn(setup.loss)
+  by_term = setup.ends_windows
+  return _Gradients(
+    grad_fn,
+    term_fn,
+    names,
+    batch_gradient(term_fn, names, tolerance, resum=False, by_term=by_term),
+    batch_gradient(term_fn, names, tolerance, resum=True, by_term=by_term),
+  )
+
+
+def _every_kth_row(batch: Any, k: int) -> list[Any]:
+  """The default ``split``: :func:`split_micro_batches`, as a list."""
+  stacked = split_micro_batches(batch, k)
+  return [jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(k)]
+
+
+def _micro_batches(
+  batch: Any,
+  k: int,
+  steps: int,
+  split: Callable[[Any, int], Sequence[Any]] | None,
+) -> tuple[list[Any], list[list[Any]]]:
+  """The batch of each update, and its ``k`` micro-batches."""
+  batches = list(batch) if isinstance(batch, list) else [batch] * steps
+  if len(batches) != steps:
+    raise ValueError(f"`batch` holds {len(batches)} batches for steps={steps}.")
+  if split is None:
+    split = _every_kth_row
+  micro = [list(split(b, k)) for b in batches]
+  if len(micro[0]) != k:
+    raise ValueError(f"`split` returned {len(micro[0])} micro-batches for k={k}.")
+  return batches, micro
+
+
+@dataclasses.dataclass(frozen=True)
+class _FirstBatch:
+  """The first batch's gradients, on float32 params.
+
+  Attributes:
+    params32: The params in float32.
+    whole_grad: The whole batch's gradient.
+    micro_grads: Each micro-batch's (mean-loss) gradient.
+    tokens: Each micro-batch's weight.
+    resummed_grad: The micro-batch gradients' token-weighted mean: the whole
+      batch's gradient summed in another order.
+    uniform_grad: Their plain mean, what F1 applies.
+    terms: With loss terms, each term's gradients and weights (then each
+      micro-batch's gradient is that of the terms' sum, ``tokens`` the weights
+      of the first term with weight, and the whole batch's the sum of each
+      term's).
+  """
+
+  params32: Any
+  whole_grad: Any
+  micro_grads: list[Any]
+  tokens: list[float]
+  resummed_grad: Any
+  uniform_grad: Any
+  terms: TermsBatch | None = None
+
+
+def _first_batch(
+  gradients: _Gradients,
+  params: Any,
+  batch: Any,
+  window: Sequence[Any],
+  tolerance: float,
+) -> _FirstBatch:
+  params32 = f32(params)
+  terms = None
+  if gradients.of_terms is None:
+    whole_grad, _ = gradients.one(params32, batch)
+    pairs = [gradients.one(params32, m) for m in window]
+    micro_grads = [g for g, _ in pairs]
+    tokens = [float(w) for _, w in pairs]
+    resummed_grad = recombined(micro_grads, tokens, params32)
+  else:  # Each micro-batch's gradient is that of the terms' sum.
+    terms = measure(gradients.of_terms, gradients.names, params32, batch, window)
+    whole_grad = summed(terms.reference(params32, tolerance))
+    resummed_grad = summed(
+      [terms.recombined(t, params32) for t in range(len(terms.names))]
+    )
+    micro_grads = [summed(list(g)) for g in zip(*terms.grads, strict=True)]
+    weighted = [w for w in terms.weights if w.sum() > 0] or [terms.weights[0]]
+    tokens = [float(w) for w in weighted[0]]
+  if not sum(tokens) > 0:
+    raise ValueError(f"The first batch holds no tokens: weights {tokens}.")
+  k = len(micro_grads)
+  uniform_grad = jax.tree.map(lambda *g: sum(g) / k, *micro_grads)
+  return _FirstBatch(
+    params32, whole_grad, micro_grads, tokens, resummed_grad, uniform_grad, terms
+  )
+
+
+def _whole_batch_runs(
+  setup: Setup,
+  gradients: _Gradients,
+  params: Any,
+  batches: list[Any],
+  micro: list[list[Any]],
+) -> tuple[Reference, Reference]:
+  """The whole batch over ``steps + 2`` updates, and its exact re-summation."""
+  ahead = len(batches) + 2
+  batches = [batches[i % len(batches)] for i in range(ahead)]
+  micro = [micro[i % len(micro)] for i in range(ahead)]
+  optimizer, ends = setup.optimizer, setup.ends_windows
+  reference = whole_batch_run(gradients.whole, optimizer, params, batches, micro, ends)
+  resummed = whole_batch_run(
+    gradients.resummed, optimizer, params, batches, micro, ends
+  )
+  return reference, resummed
+
+
+def _setup_run(
+  setup: Setup, k: int, params: Any, micro: list[list[Any]], reference: Reference
+) -> LoopRun:
+  """The setup around the real optimizer, on a copy of ``params``."""
+  run = run_setup(
+    setup.accumulation,
+    setup.optimizer,
+    k,
+    copy_arrays(params),
+    micro,
+    list(reference.learning_rates),
+    list(reference.counts),
+  )
+  _checks.check_tree_matches(
+    run.params[0],
+    reference.params[0],
+    name="params your step returns",
+    ref_name="the params given",
+  )
+  return run
+
+
+def _probe_runs(
+  setup: Setup,
+  k: int,
+  steps: int,
+  params32: Any,
+  micro: list[list[Any]],
+  reference: Reference,
+  run: LoopRun,
+) -> tuple[LoopRun | None, Windows]:
+  """The probe's first window (``None`` without a probe), and where the setup
+  applies updates: from the probe's whole run where its params leave it open."""
+  if setup.probe is None:
+    return None, windows(k, steps, reference, run, None)
+  acc, probe = setup.accumulation, setup.probe
+  first = run_setup(acc, probe, k, params32, micro[:1], restart=False)
+  whole = None
+  if needs_probe(k, steps, reference, run):  # A learning rate of 0, or a bug.
+    whole = run_setup(acc, probe, k, params32, micro)
+  return first, windows(k, steps, reference, run, whole)
+
+
+def _fit(
+  probe: LoopRun, first: _FirstBatch, tolerance: float
+) -> tuple[GradientFit, TermFit | None]:
+  """What the gradient the probe applied in the first window is; with loss
+  terms, which terms it weighs otherwise."""
+  applied = jax.tree.map(jnp.subtract, first.params32, f32(probe.params[0]))
+  fit = fit_gradient(
+    applied, first.whole_grad, first.micro_grads, first.tokens, tolerance
+  )
+  if first.terms is None:
+    return fit, None
+  return explain(fit, applied, first.terms, tolerance)
+
+
+def _report(
+  name: str,
+  first: _FirstBatch,
+  evidence: Evidence,
+  rounding_leaves: list[str],
+  tolerance: float,
+) -> AuditReport:
+  """The report of the measurements, verdicts not yet drawn."""
+  reference, run, fit, w = (
+    evidence.reference,
+    evidence.run,
+    evidence.fit,
+    evidence.windows,
+  )
+  labels = lr_labels(list(reference.learning_rates))
+  expected = per_micro_step(reference.changed, w.k, w.steps)
+  lr = {
+    labels[path]: [v[0] for v in values[: w.compared] if v]
+    for path, values in run.learning_rates.items()
+  }
+  return AuditReport(
+    setup=name,
+    k=w.k,
+    tokens=first.tokens,
+    mean_of_means_bias=_rel(first.uniform_grad, first.whole_grad),
+    grad_error=float("nan") if fit is None else fit.error,
+    grad_fit="not measured: " + _NOT_MEASURED if fit is None else fit.describe,
+    grad_scale=float("nan") if fit is None else fit.scale,
+    micro_batch_weights=None if fit is None else fit.coefficients,
+    params_diff=evidence.comparison.diff,
+    rounding_diff=evidence.comparison.rounding,
+    rounding_leaves=rounding_leaves,
+    finite=run.nonfinite_at is None,
+    reference_finite=reference.nonfinite_at is None,
+    lr=lr,
+    lr_reference={
+      labels[p]: v[: w.compared] for p, v in reference.learning_rates.items()
+    },
+    changed=run.changed,
+    expected_changes=expected[0],
+    resumed=run.resumed,
+    expected_resumed=expected[1],
+    applied=w.applied,
+    expected_applied=w.expected,
+    applied_resumed=w.applied_resumed,
+    expected_applied_resumed=w.expected_resumed,
+    updates_compared=w.compared,
+    tolerance=tolerance,
+    **_term_fields(evidence.terms),
+  )
+
+
+def _term_fields(terms: TermsEvidence | None) -> dict[str, Any]:
+  """The report's ``term_weights`` and ``term_coefficients``."""
+  if terms is None:
+    return {}
+  weights = terms.batch.weights
+  return {
+    "term_weights": {
+      name: [float(x) for x in weights[t]] for t, name in enumerate(terms.batch.names)
+    },
+    "term_coefficients": None if terms.fit is None else terms.fit.coefficients,
+  }
+
+
+_NOT_MEASURED = "the accumulator sits inside your optimizer"
+
+
+def _rel(a: Any, b: Any) -> float:
+  diff = jax.tree.map(jnp.subtract, f32(a), f32(b))
+  return float(optax.tree.norm(diff) / jnp.maximum(optax.tree.norm(f32(b)), 1e-30))

@@ -1,0 +1,1 @@
+"""The core: window arithmetic, reduction policy, state and the optax adapters."""

@@ -1,0 +1,359 @@
+"""Token-weighted gradient accumulation: a drop-in for ``optax.MultiSteps``.
+
+:class:`MultiSteps` is the optax adapter over the window arithmetic
+(:mod:`optax_accum._core._window`), the reduction policy
+(:mod:`optax_accum._core._reduction`) and the state transitions
+(:mod:`optax_accum._core._transitions`) it shares with ``make_train_step``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.typing import ArrayLike, DTypeLike
+
+from optax_accum._core import _checks, _reduction, _terms
+from optax_accum._core._reduction import AxisName
+from optax_accum._core._state import (
+  WINDOW_MICRO_STEPS,
+  WINDOW_WEIGHT,
+  EveryKSchedule,
+  GradReduction,
+  MultiStepsConfig,
+  MultiStepsState,
+  NonFinitePolicy,
+  ShouldSkipUpdateFn,
+  check_single_accumulation,
+)
+from optax_accum._core._transitions import (
+  add_micro_batch,
+  by_term,
+  check_extra_args,
+  closed,
+  run_inner,
+  typed_like,
+  window_ends,
+  window_of,
+)
+
+__all__ = [
+  "WINDOW_MICRO_STEPS",
+  "WINDOW_WEIGHT",
+  "EveryKSchedule",
+  "MultiSteps",
+  "MultiStepsConfig",
+  "MultiStepsState",
+]
+
+
+def _check_optimizer(opt: Any) -> None:
+  if not (hasattr(opt, "init") and hasattr(opt, "update")):
+    raise ValueError(
+      f"`opt` must be an optax.GradientTransformation, got {type(opt).__name__}."
+    )
+
+
+class MultiSteps:
+  r"""Accumulates gradients over a window of micro-batches, weighted by items.
+
+  A drop-in for :class:`optax.MultiSteps` that gives exactly the whole-batch
+  gradient when micro-batches hold different numbers of items (tokens,
+  samples). Each call passes one micro-batch's gradient :math:`g_i` and its
+  ``weight`` :math:`w_i`; when the window ends the inner optimizer receives
+
+  .. math::
+    g = \frac{\sum_i w_i\, g_i}{\sum_i w_i}
+
+  (with ``grad_reduction="mean"``: :math:`g_i` is the gradient of the mean
+  loss over the micro-batch's :math:`w_i` items), i.e. the gradient of the
+  token mean over the whole window. With ``grad_reduction="sum"``, :math:`g_i`
+  is the gradient of the summed loss and the numerator is :math:`\sum_i g_i`.
+  Without ``weight`` every micro-batch weighs 1, which is what
+  ``optax.MultiSteps`` computes.
+
+  A window ends after ``every_k_schedule(gradient_step)`` counted micro-batches
+  or on a call with ``end_window=True``. The inner optimizer runs on that call
+  only, with the window's total weight and micro-batch count as extra
+  arguments ``window_weight`` and ``window_micro_steps`` (where it takes
+  them); every other call returns exact zeros. A window of total weight 0
+  ends without an update and is not counted in ``gradient_step``.
+
+  What each micro-batch does to the window:
+
+  =====================================  ================  ========
+  micro-batch                            counts towards k  adds
+  =====================================  ================  ========
+  ``weight > 0``, finite gradient        yes               its grad
+  ``weight == 0`` (all padding)          yes               nothing
+  ``weight`` negative or not finite      yes, as skipped   nothing
+  non-finite grad, ``skip_micro_batch``  yes, as skipped   nothing
+  non-finite grad, ``skip_window``       yes               its grad
+  rejected by ``should_skip_update_fn``  no (as in optax)  nothing
+  =====================================  ================  ========
+
+  With ``axis_name`` a micro-batch dropped on one replica is dropped on all.
+
+  Weights and the products ``weight * grad`` are float32 at least, whatever
+  ``accumulator_dtype`` is. A window whose gradient (as the inner optimizer
+  would receive it) or loss is not finite ends without an update whatever
+  the policy, counted in ``skipped_windows``; drops and resets are
+  selections, never products with 0, so a NaN never reaches the next window
+  (``docs/multi_steps.md``, "What happens when...", has every case).
+
+  Args:
+    opt: The optimizer to run once per window.
+    every_k_schedule: Micro-batches per window: an int ``>= 1``, or a callable
+      of the update count (int32 ``[]``) returning one (cast to int32). A
+      value below 1 returned at run time is treated as 1. ``"end_window"``:
+      no count ends a window, only a call with ``end_window=True`` does
+      (dynamic batching, where the caller knows where each window ends).
+    use_grad_mean: If ``True`` (default) the emitted gradient is divided by
+      the window's total weight; otherwise it is the weighted sum. No effect
+      with ``grad_reduction="window_mean"``, whose sum is already the mean.
+    should_skip_update_fn: Optional ``fn(updates, gradient_step, params) ->
+      (skip, skip_state)`` as in optax; a skipped micro-batch is as if it never
+      happened (only ``skip_state`` changes), except that ``end_window=True``
+      on it still ends the window.
+    accumulator_dtype: Dtype of the accumulator. ``None`` (default) uses
+      float32, or the leaf's own dtype where that is wider (float64). A
+      narrower one (bfloat16, float16) stores the running sum only: weights
+      and ``weight * grad`` stay float32, and each add rounds once.
+    grad_reduction: How the caller reduced each micro-batch's loss over its
+      items: ``"mean"`` (default) or ``"sum"``. ``"sum"`` requires ``weight``.
+      ``"window_mean"``: summed, then divided by the whole window's item
+      count known beforehand (Hugging Face's ``num_items_in_batch``): the
+      shares are summed as they are, ``weight`` (default 1) only counts
+      items, and no micro-batch can be dropped alone (``skip_micro_batch``
+      is refused; a bad ``weight`` drops its window).
+    axis_name: Inside ``shard_map`` or ``pmap``: the data-parallel mesh axis
+      (or axes) to sum weights, weighted gradients and losses over, so each
+      window's gradient is the token mean over all replicas. Not needed under
+      ``jit`` with sharded arrays, where gradients are global (and
+      :func:`make_train_step` sums them once per window on an Explicit mesh).
+    on_nonfinite: What a non-finite (NaN or infinite) gradient or loss in a
+      micro-batch with positive weight does: ``"skip_window"`` (default) drops
+      its whole window atomically when the window ends; ``"skip_micro_batch"``
+      drops only that micro-batch (one more check per micro-batch) and keeps
+      the window. Either way the state counts what was dropped.
+    terms: Names of loss terms that each keep their own weight over the
+      window (``docs/loss_terms.md``): ``updates``, ``weight`` and ``loss``
+      are dicts by term name; the window's gradient is ``sum_t A_t / W_t``,
+      one accumulator per term; ``window_weight`` is the first term's.
+
+  Examples:
+    Two micro-batches with 1 and 3 tokens: the emitted gradient is the token
+    mean, not the mean of the two micro-batch means (which would be 2.0).
+
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> opt = optax_accum.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
+    >>> state = opt.init(jnp.zeros(()))
+    >>> u, state = opt.update(jnp.array(1.0), state, weight=1)
+    >>> u, opt.has_updated(state)
+    (Array(0., dtype=float32), Array(False, dtype=bool))
+    >>> u, state = opt.update(jnp.array(3.0), state, weight=3)
+    >>> u, opt.has_updated(state)   # -(1*1 + 3*3) / (1 + 3)
+    (Array(-2.5, dtype=float32), Array(True, dtype=bool))
+
+  References:
+    Unsloth, `Bug fixes in gradient accumulation
+    <https://unsloth.ai/blog/gradient>`_, 2024.
+  """
+
+  def __init__(
+    self,
+    opt: optax.GradientTransformation,
+    every_k_schedule: EveryKSchedule,
+    use_grad_mean: bool = True,
+    should_skip_update_fn: ShouldSkipUpdateFn | None = None,
+    accumulator_dtype: DTypeLike | None = None,
+    *,
+    grad_reduction: GradReduction = "mean",
+    axis_name: AxisName | None = None,
+    on_nonfinite: NonFinitePolicy = "skip_window",
+    terms: tuple[str, ...] | None = None,
+  ):
+    _check_optimizer(opt)
+    self.config = MultiStepsConfig(
+      every_k_schedule,
+      use_grad_mean,
+      should_skip_update_fn,
+      accumulator_dtype,
+      grad_reduction,
+      axis_name,
+      on_nonfinite,
+      terms,
+    )
+    self._given_opt, self._opt = opt, optax.with_extra_args_support(opt)
+
+  def replace(self, **changes: Any) -> MultiSteps:
+    """A copy with some constructor arguments changed (``opt=`` included).
+
+    Examples:
+      >>> import optax, optax_accum
+      >>> acc = optax_accum.MultiSteps(optax.sgd(0.1), every_k_schedule=4)
+      >>> acc.replace(opt=optax.adam(1e-3)).k_at(0)
+      Array(4, dtype=int32)
+    """
+    opt = changes.pop("opt", self._given_opt)
+    return MultiSteps(opt, **{**dataclasses.asdict(self.config), **changes})
+
+  @property
+  def inner_opt(self) -> optax.GradientTransformationExtraArgs:
+    """The wrapped optimizer (with extra-args support)."""
+    return self._opt
+
+  def k_at(self, update_count: ArrayLike) -> jax.Array:
+    """Micro-batches per window after ``update_count`` updates (int32, >= 1)."""
+    return self.config.k_at(update_count)
+
+  @property
+  def axis_name(self) -> AxisName | None:
+    """The mesh axis (or axes) weights and gradients are summed over, if any."""
+    return self.config.axis_name
+
+  @property
+  def grad_reduction(self) -> GradReduction:
+    """How the caller reduces each micro-batch's loss over its items."""
+    return self.config.grad_reduction
+
+  @property
+  def on_nonfinite(self) -> NonFinitePolicy:
+    """What a non-finite gradient drops: its micro-batch or its whole window."""
+    return self.config.on_nonfinite
+
+  def window_loss(self, state: MultiStepsState) -> jax.Array:
+    """The loss of the window so far, from the ``loss=`` of its micro-batches.
+
+    ``acc_loss / acc_weight``, the token mean (0 while the window has no
+    weight); with ``grad_reduction="window_mean"``, ``acc_loss`` itself (the
+    sum of the shares so far: the window's mean once it is complete). For the
+    window that ended last, read ``state.last_window_loss``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, optax_accum
+      >>> opt = optax_accum.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+      >>> state = opt.init(jnp.zeros(()))
+      >>> _, state = opt.update(jnp.array(1.0), state, weight=1, loss=4.0)
+      >>> float(opt.window_loss(state))
+      4.0
+      >>> _, state = opt.update(jnp.array(1.0), state, weight=3, loss=2.0)
+      >>> float(opt.window_loss(state)), float(state.last_window_loss)
+      (0.0, 2.5)
+    """
+    shares = self.config.grad_reduction == "window_mean"
+    return _terms.mean_loss(window_of(state), shares=shares)
+
+  def init(self, params: optax.Params) -> MultiStepsState:
+    """Returns the state for a fresh run: an empty window and no updates."""
+    _checks.check_inexact_leaves(params, name="params")
+    terms = len(self.config.terms or ())
+    window = _terms.empty(params, self.config.accumulator_dtype, terms)
+    gradient_step = jnp.zeros([], jnp.int32)
+    skip_state: Any = ()
+    if self.config.should_skip_update_fn is not None:
+      zeros = jax.tree.map(jnp.zeros_like, params)
+      _, skip_state = self.config.should_skip_update_fn(zeros, gradient_step, params)
+    inner_opt_state = self._opt.init(params)
+    check_single_accumulation(inner_opt_state)
+    count, weight = jnp.int32, _terms.weight(window).dtype  # A buffer per field:
+    return MultiStepsState(  # a state is donated leaf by leaf.
+      **window._asdict(),
+      gradient_step=gradient_step,
+      inner_opt_state=inner_opt_state,
+      updated=jnp.zeros([], jnp.bool_),
+      skipped_micro_batches=jnp.zeros([], count),
+      skipped_windows=jnp.zeros([], count),
+      skip_state=skip_state,
+      micro_batches_seen=jnp.zeros([], count),
+      last_window_loss=jnp.zeros([], weight),
+      last_window_weight=jnp.zeros([], weight),
+    )
+
+  def update(
+    self,
+    updates: optax.Updates,
+    state: MultiStepsState,
+    params: optax.Params | None = None,
+    *,
+    weight: ArrayLike | dict[str, ArrayLike] | None = None,
+    end_window: ArrayLike | None = None,
+    loss: ArrayLike | dict[str, ArrayLike] | None = None,
+    **extra_args: Any,
+  ) -> tuple[optax.Updates, MultiStepsState]:
+    """Adds one micro-batch to the window; runs the optimizer if it ends it.
+
+    Args:
+      updates: The micro-batch's gradient, a tree like params. With
+        ``terms``, ``updates``, ``weight`` and ``loss`` are dicts by term name,
+        each entry a term's gradient, weight and loss.
+      state: The current state.
+      params: Current params, forwarded to the inner optimizer.
+      weight: Items (tokens, samples) behind ``updates``; a scalar, traced or
+        not. Defaults to 1. Required with ``terms`` and ``grad_reduction="sum"``.
+      end_window: Optional bool scalar, traced or not: end the window with this
+        micro-batch even if it holds fewer than ``k`` micro-batches.
+      loss: Optional loss of the micro-batch, reduced like its gradient; the
+        state's ``acc_loss`` then sums it into the window's loss, the inner
+        optimizer gets that loss (:meth:`window_loss`) as the extra argument
+        ``value`` (what ``optax.contrib.reduce_on_plateau`` reads) unless it
+        refuses it, and ``last_window_loss`` keeps it after the window ends.
+      **extra_args: Forwarded to the inner optimizer's update.
+
+    Returns:
+      The inner optimizer's updates on the call that ends a window with
+      positive weight, exact zeros on every other call; and the new state.
+    """
+    check_extra_args(extra_args, loss)
+    reduction = _reduction.policy(self.config.axis_name)
+    added, counted = add_micro_batch(
+      self.config, state, updates, params, weight=weight, loss=loss, reduction=reduction
+    )
+    ends = window_ends(self.config, added, counted, end_window)
+    optional = {} if loss is None else {"value": self.window_loss(added)}
+
+    terms = self.config.terms
+    like = updates if terms is None else by_term(terms, updates, "updates")[0]
+
+    def finish() -> tuple[Any, Any, jax.Array]:
+      window = window_of(added)
+      grads, squares = _terms.finish(window, like, self.config.divides)
+      finite = ~reduction.any(_terms.nonfinite(window, squares), added.acc_weight)
+      new, inner = run_inner(self._opt, grads, added, params, extra_args, optional)
+      new = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new)
+      old = added.inner_opt_state
+      inner = jax.tree.map(lambda n, o: jnp.where(finite, n, o), inner, old)
+      return new, inner, finite
+
+    def hold() -> tuple[Any, Any, jax.Array]:  # Typed like finish's outputs.
+      new, inner, finite = jax.eval_shape(finish)
+      zeros = jax.tree.map(lambda a: typed_like(jnp.zeros(a.shape, a.dtype), a), new)
+      unchanged = jax.tree.map(typed_like, added.inner_opt_state, inner)
+      return zeros, unchanged, typed_like(jnp.array(False), finite)
+
+    positive = ends & _terms.has_weight(window_of(added))
+    new_updates, inner, finite = jax.lax.cond(positive, finish, hold)
+    new_state = closed(
+      added,
+      ends,
+      positive & ~finite,
+      positive & finite,
+      inner,
+      divided_loss=self.window_loss(added),
+    )
+    return new_updates, new_state
+
+  def has_updated(self, state: MultiStepsState) -> jax.Array:
+    """Whether the call that produced ``state`` applied an optimizer update.
+
+    Unlike ``optax.MultiSteps.has_updated``, which infers it from the counters,
+    this is ``False`` after a skipped micro-batch that follows an update.
+    """
+    return state.updated
+
+  def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
+    """This accumulator as an ``optax.GradientTransformationExtraArgs``."""
+    return optax.GradientTransformationExtraArgs(init=self.init, update=self.update)

@@ -1,0 +1,157 @@
+"""A token-weighted accumulator for ``optax.microbatch``.
+
+optax's own accumulators (``SUM``, ``MEAN``, ``RUNNING_MEAN``, ``CONCAT``) know
+nothing of the items behind each micro-batch: ``MEAN`` of per-micro-batch
+token means is the mean of means (F1). This one takes ``(value, weight)``
+pairs and keeps the window arithmetic's sums (:mod:`optax_accum._core._window`):
+``sum_i w_i v_i`` and ``sum_i w_i``, with the policy ``MultiSteps`` applies to
+weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_accum._core import _reduction, _window
+
+_LOCAL = _reduction.Local()  # optax.microbatch runs under plain jit: values are global.
+
+
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=["window"],
+  meta_fields=["value_dtypes", "weight_dtype"],
+)
+@dataclasses.dataclass(frozen=True)
+class _Carry:
+  """The loop's carry: the window's sums, and the dtypes the result takes.
+
+  Attributes:
+    window: ``acc_grads`` holds ``sum_i w_i v_i`` (like the value, float32 at
+      least), ``acc_weight`` holds ``sum_i w_i``.
+    value_dtypes: Static. The dtype of each value leaf, in tree order.
+    weight_dtype: Static. The weight's dtype.
+  """
+
+  window: _window.Window
+  value_dtypes: tuple[Any, ...]
+  weight_dtype: Any
+
+
+def weighted_mean_accumulator() -> optax.microbatching.Accumulator:
+  """An ``optax.microbatch`` accumulator: the weighted mean of ``(value, weight)``.
+
+  The microbatched function returns, for each micro-batch, ``(value,
+  weight)``: ``value`` a pytree of means over the micro-batch's items (a
+  token-mean loss, its gradient) and ``weight`` their number, a scalar. The
+  accumulator returns ``(sum_i w_i v_i / sum_i w_i, sum_i w_i)``, which is
+  what the function returns on the whole batch. optax's ``MEAN`` returns
+  ``sum_i v_i / k`` instead, equal only when every micro-batch has the same
+  weight.
+
+  - A micro-batch of weight 0 adds nothing, even a NaN value (its mean over
+    no items is 0/0).
+  - A batch of total weight 0 gives zeros and weight 0, never NaN: skip the
+    update when the returned weight is 0.
+  - A negative, NaN or inf weight drops its micro-batch, as in
+    :class:`optax_accum.MultiSteps`.
+  - A NaN or inf value with positive weight makes the mean non-finite, as it
+    would on the whole batch.
+  - Sums are float32 at least (wider leaves keep their dtype); the mean comes
+    back in each value leaf's dtype, the weight in its own.
+
+  ``optax.microbatch`` also takes a tree of accumulators, a prefix of the
+  function's output: ``(weighted_mean_accumulator(), AccumulationType.SUM)``
+  for a function returning ``((value, weight), counts)``.
+
+  Returns:
+    An ``optax.microbatching.Accumulator`` (its ``aggregate`` serves
+    ``optax.microbatching.micro_vmap``, with a weight per row).
+
+  Examples:
+    Two micro-batches of 2 and 1 items (``optax.microbatch`` gives micro-batch
+    ``i`` the rows ``i, i + k, ...``):
+
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> def mean_and_count(x, mask):
+    ...   return (x * mask).sum() / mask.sum(), mask.sum()
+    >>> x, mask = jnp.array([1.0, 2.0, 3.0, 4.0]), jnp.array([1.0, 0.0, 1.0, 1.0])
+    >>> mean, count = optax.microbatch(
+    ...     mean_and_count, argnums=(0, 1), microbatch_size=2,
+    ...     accumulator=optax_accum.weighted_mean_accumulator())(x, mask)
+    >>> print(f"{mean:.4f} {count}  whole batch: {mean_and_count(x, mask)[0]:.4f}")
+    2.6667 3.0  whole batch: 2.6667
+    >>> mean, _ = optax.microbatch(
+    ...     mean_and_count, argnums=(0, 1), microbatch_size=2,
+    ...     accumulator=optax.microbatching.AccumulationType.MEAN)(x, mask)
+    >>> print(f"optax MEAN: {mean:.4f}")
+    optax MEAN: 3.0000
+  """
+  return optax.microbatching.Accumulator(
+    init=_init, update=_update, finalize=_finalize, aggregate=_aggregate
+  )
+
+
+def _pair(output: Any) -> tuple[Any, Any]:
+  """``output`` as ``(value, weight)``, or a ``ValueError`` that says so."""
+  if not (isinstance(output, tuple | list) and len(output) == 2):
+    raise ValueError(
+      "weighted_mean_accumulator: the microbatched function must return "
+      f"(value, weight), got {jax.tree.structure(output)}."
+    )
+  return output[0], output[1]
+
+
+def _check_floating(value: Any) -> None:
+  """Raises ``ValueError`` naming the first value leaf that is not floating."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+    if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+      raise ValueError(
+        f"weighted_mean_accumulator: value leaf {jax.tree_util.keystr(path)} "
+        f"has dtype {leaf.dtype}; a weighted mean needs floating-point leaves. "
+        "Give integer outputs their own accumulator (a tree such as "
+        "(weighted_mean_accumulator(), AccumulationType.SUM))."
+      )
+
+
+def _init(output_like: Any) -> _Carry:
+  """Empty sums for an output shaped like ``output_like``."""
+  value, weight = _pair(output_like)
+  _check_floating(value)
+  dtypes = tuple(jnp.dtype(leaf.dtype) for leaf in jax.tree.leaves(value))
+  return _Carry(_window.empty(value), dtypes, jnp.dtype(weight.dtype))
+
+
+def _update(carry: _Carry, output: Any, index: Any) -> _Carry:
+  """``carry`` with one micro-batch's ``(value, weight)`` added."""
+  del index
+  value, weight = _pair(output)
+  kept = _window.admit(carry.window, value, None, weight, reduction=_LOCAL)
+  window = _window.add(carry.window, value, None, kept, reduction=_LOCAL)
+  return dataclasses.replace(carry, window=window)
+
+
+def _finalize(carry: _Carry) -> tuple[Any, jax.Array]:
+  """``(weighted mean, total weight)``; zeros where the total weight is 0."""
+  window = carry.window
+  total = window.acc_weight
+  # Without weight nothing was added: the sums are zeros, and so is sum / 1.
+  divisor = jnp.where(total > 0, total, jnp.ones_like(total))
+  like = jax.tree.unflatten(jax.tree.structure(window.acc_grads), carry.value_dtypes)
+  mean = _window.gradient(window._replace(acc_weight=divisor), like)
+  return mean, total.astype(carry.weight_dtype)
+
+
+def _aggregate(rows: Any) -> tuple[Any, jax.Array]:
+  """``(value, weight)`` pairs stacked along axis 0, as one pair: each row
+  counts as a micro-batch of its own."""
+  row_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), rows)
+  empty = _init(row_like)
+  per_row = jax.vmap(lambda row: _update(empty, row, 0))(rows)
+  return _finalize(jax.tree.map(functools.partial(jnp.sum, axis=0), per_row))

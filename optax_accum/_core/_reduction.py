@@ -1,0 +1,312 @@
+"""The reduction policy: what a window's sums are summed over, and when.
+
+The caller builds the policy and passes it to the window arithmetic
+(:mod:`optax_accum._core._window`), which never reduces anything itself:
+
+- :class:`Local`: nothing to sum over. Under plain ``jit`` with sharded
+  arrays every value is already global.
+- :class:`Replicas`: inside ``shard_map`` or ``pmap``, the data-parallel axes
+  ``axes`` hold one replica each, and every weight, loss and gradient the
+  caller passes is that replica's own. ``at_window_end=True`` keeps gradients
+  per replica until the window ends (one reduction per window); otherwise
+  they are summed as they are added.
+- :class:`Deferred`: under plain ``jit`` on an ``Explicit`` mesh, values are
+  global as with :class:`Local`, but the gradients of the params it casts to
+  JAX's ``reduced`` type come out ``unreduced`` (each device's partial sum
+  over the data axes) and stay so until the window ends.
+
+One fact comes from JAX rather than from the caller: under ``shard_map``
+with ``check_vma=True`` a gradient of params that entered the map replicated
+is typed invariant over the data axes, because autodiff summed it already.
+Summing it again would multiply it by the replica count, so such a gradient
+is counted once (``grad_reduction="sum"``) or refused with the fix
+(``"mean"``: its per-replica weights can no longer be applied).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from optax_accum._core import _checks
+
+AxisName = str | tuple[str, ...]
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+  """The manual mesh axes over which ``x`` is typed to differ per replica."""
+  return jax.typeof(x).manual_axis_type.varying
+
+
+def varying_over(x: Any, axes: Any) -> jax.Array:
+  """``x``, typed as differing per replica over ``axes`` (``shard_map`` types).
+
+  Outside ``shard_map`` (no axes to add) ``x`` comes back as it is.
+  """
+  missing = tuple(sorted(set(axes) - varying_axes(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else jnp.asarray(x)
+
+
+def unreduced_axes(x: Any) -> frozenset[str]:
+  """The mesh axes over which ``x`` holds partial sums (JAX's ``unreduced``)."""
+  spec = getattr(jax.typeof(x).sharding, "spec", None)
+  return frozenset(getattr(spec, "unreduced", ()))
+
+
+def _any_over(flag: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  if not axes:
+    return jnp.asarray(flag)
+  return jax.lax.psum(jnp.asarray(flag).astype(jnp.int32), axes) > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Local:
+  """No data-parallel axes: weights, losses and gradients are already global."""
+
+  axes: tuple[str, ...] = ()
+  at_window_end: bool = False
+
+  def sum(self, x: Any) -> jax.Array:
+    """``x`` summed over the replicas: ``x`` itself."""
+    return jnp.asarray(x)
+
+  def own(self, x: Any) -> jax.Array:
+    """``x`` as this replica's own value (no-op without replicas)."""
+    return jnp.asarray(x)
+
+  def any(self, flag: jax.Array, window: Any = ()) -> jax.Array:
+    """Whether ``flag`` holds on any shard of the same window, on all of them.
+
+    Inside ``shard_map``, model-parallel shards of one window (whose
+    ``window`` values, its weights, are the same) see different parts of the
+    gradient: the flag is combined over the mesh axes it varies over and the
+    weights do not. Per-device windows (weights that vary) stay independent.
+    """
+    own = frozenset().union(*[varying_axes(x) for x in jax.tree.leaves(window)])
+    return _any_over(flag, tuple(sorted(varying_axes(flag) - own)))
+
+  def summed_already(self, x: Any) -> tuple[str, ...]:
+    """The replica axes over which JAX already summed ``x``: none here."""
+    del x
+    return ()
+
+  def gradient(self, x: jax.Array) -> jax.Array:
+    """A weighted gradient as it is stored in the accumulator."""
+    return x
+
+  def window_gradient(self, acc: Any) -> Any:
+    """The accumulator as the window's summed gradient."""
+    return acc
+
+  def agree(self, tree: Any) -> Any:
+    """``tree`` the same on every replica (no-op without replicas)."""
+    return tree
+
+  def cast_params(self, params: Any) -> Any:
+    """``params`` typed so that their gradients come out as this policy adds
+    them (as they are here)."""
+    return params
+
+  def per_window(self) -> Local:
+    """This policy, keeping partial sums until the window ends (a scan's)."""
+    return self
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicas(Local):
+  """Per-replica values over mesh axes ``axes``, summed over them.
+
+  Args:
+    axes: The data-parallel mesh axis name, or a tuple of them.
+    at_window_end: Keep each replica's weighted gradients in its own partial
+      sum and add the partial sums up once, in :meth:`window_gradient`.
+  """
+
+  def __init__(self, axes: AxisName, at_window_end: bool = False):
+    object.__setattr__(self, "axes", _checks.axes(axes))
+    object.__setattr__(self, "at_window_end", at_window_end)
+
+  @property
+  def _named(self) -> AxisName:
+    return self.axes[0] if len(self.axes) == 1 else self.axes
+
+  @property
+  def typed(self) -> bool:
+    """Whether JAX types values as varying per replica (``check_vma=True``)."""
+    try:
+      probe = jax.lax.axis_index(self.axes[0])
+    except NameError as e:
+      raise ValueError(
+        f"`axis_name` {self._named!r} is not a mesh axis here: call inside "
+        "shard_map or pmap over it, or drop `axis_name` under plain jit, where "
+        "sharded gradients are already global."
+      ) from e
+    return self.axes[0] in varying_axes(probe)
+
+  def sum(self, x: Any) -> jax.Array:
+    """``x`` summed over the replicas; a value JAX already summed over some
+    of them counts on their first replica only."""
+    return jax.lax.psum(self.own(self._once(x)), self.axes)
+
+  def _once(self, x: Any) -> jax.Array:
+    summed = self.summed_already(x)
+    if not summed:
+      return jnp.asarray(x)
+    return jnp.where(replica_index(summed) == 0, x, jnp.zeros_like(x))
+
+  def own(self, x: Any) -> jax.Array:
+    # A value the same on every replica (a constant weight) is still each
+    # replica's own: it sums over them, as under pmap or check_vma=False.
+    return varying_over(x, self.axes) if self.typed else jnp.asarray(x)
+
+  def any(self, flag: jax.Array, window: Any = ()) -> jax.Array:
+    return _any_over(super().any(flag, window), self.axes)
+
+  def summed_already(self, x: Any) -> tuple[str, ...]:
+    if not self.typed:
+      return ()
+    return tuple(a for a in self.axes if a not in varying_axes(x))
+
+  def gradient(self, x: jax.Array) -> jax.Array:
+    if self.at_window_end:  # This replica's share of the window's sum.
+      return self.own(self._once(x))
+    return self.sum(x)
+
+  def window_gradient(self, acc: Any) -> Any:
+    if not self.at_window_end:
+      return acc
+    return jax.tree.map(lambda a: jax.lax.psum(a, self.axes), acc)
+
+  def per_window(self) -> Local:
+    return Replicas(self.axes, at_window_end=True)
+
+  def cast_params(self, params: Any) -> Any:
+    """``params`` typed as differing per replica, so their gradients stay
+    each replica's own (inside ``shard_map`` JAX would otherwise sum them
+    before the per-replica weights apply)."""
+    if not self.typed:
+      return params
+    for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+      sharded = set(varying_axes(p)) & set(self.axes)
+      if sharded:
+        raise ValueError(
+          f"params{jax.tree_util.keystr(path)} differs per replica over mesh axis "
+          f"{sorted(sharded)[0]!r}, the data axis `axis_name` sums over: params "
+          "sharded over the data axis (FSDP, ZeRO) would have their gradients "
+          "summed twice. Pass params replicated over it (in_specs P() or P over "
+          "a model axis only), or shard them over the data axis under plain jit "
+          "without axis_name, where XLA reduce-scatters each micro-batch's "
+          "gradient."
+        )
+    return jax.tree.map(self.own, params)
+
+  def agree(self, tree: Any) -> Any:
+    """Each leaf's maximum over the replicas (for a bool: any)."""
+
+    def combine(x: Any) -> jax.Array:
+      x = jnp.asarray(x)
+      axes = tuple(a for a in self.axes if a in varying_axes(x) or not self.typed)
+      if not axes:
+        return x
+      if x.dtype == jnp.bool_:
+        return jax.lax.pmax(x.astype(jnp.int32), axes) > 0
+      return jax.lax.pmax(x, axes)
+
+    return jax.tree.map(combine, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Deferred(Local):
+  """Plain ``jit`` on an ``Explicit`` mesh, the batch's rows split over the
+  data axes ``over``: one gradient reduction per window, the loss still
+  seeing the global batch.
+
+  The params that ``leaves`` marks (one bool per params leaf, in tree order)
+  enter the gradient typed ``reduced`` over ``over``, so JAX leaves their
+  gradients ``unreduced``: each device's partial sum, added up across micro-
+  batches without communication and reduced once, in :meth:`window_gradient`.
+  The others' gradients are reduced as XLA computes them (an add of a
+  ``reduced`` param to data-split activations has no rule in JAX yet) and
+  join the partial sums on the first replica.
+  Weights, losses and every other value are global, as with :class:`Local`.
+  """
+
+  mesh: Any = None
+  over: tuple[str, ...] = ()
+  leaves: tuple[bool, ...] = ()
+  at_window_end: bool = True
+
+  def cast_params(self, params: Any) -> Any:
+    flat, treedef = jax.tree.flatten(params)
+    if len(flat) != len(self.leaves):
+      raise ValueError(
+        f"params have {len(flat)} leaves; this step's programs were built for "
+        f"{len(self.leaves)}."
+      )
+    pairs = zip(flat, self.leaves, strict=True)
+    cast = [self._reduced(p) if deferred else p for p, deferred in pairs]
+    return jax.tree.unflatten(treedef, cast)
+
+  def _reduced(self, p: jax.Array) -> jax.Array:
+    parts = getattr(jax.typeof(p).sharding, "spec", P()).partitions
+    return jax.reshard(p, NamedSharding(self.mesh, P(*parts, reduced=set(self.over))))
+
+  def gradient(self, x: jax.Array) -> jax.Array:
+    """``x`` as partial sums: itself if JAX left it so; a gradient XLA
+    summed already goes to the first replica (zeros on the others), so the
+    accumulator holds partial sums throughout, moving nothing."""
+    if unreduced_axes(x):
+      return x
+    parts = jax.typeof(x).sharding.spec.partitions
+
+    def first(v: jax.Array) -> jax.Array:
+      return jnp.where(replica_index(self.over) == 0, v, jnp.zeros_like(v))
+
+    return jax.shard_map(
+      first,
+      mesh=self.mesh,
+      in_specs=P(*parts),
+      out_specs=P(*parts, unreduced=set(self.over)),
+      check_vma=False,
+    )(x)
+
+  def window_gradient(self, acc: Any) -> Any:
+    """Each partial sum reduced: the window's one gradient reduction."""
+
+    def reduced(a: jax.Array) -> jax.Array:
+      if not unreduced_axes(a):
+        return a
+      parts = jax.typeof(a).sharding.spec.partitions
+      return jax.reshard(a, NamedSharding(self.mesh, P(*parts)))
+
+    return jax.tree.map(reduced, acc)
+
+
+def replica_index(axis_name: AxisName) -> jax.Array:
+  """This replica's position over the mesh axes ``axis_name`` (row-major).
+
+  Inside ``shard_map`` or ``pmap`` only.
+  """
+  index = jnp.zeros([], jnp.int32)
+  for axis in _checks.axes(axis_name):
+    index = index * jax.lax.axis_size(axis) + jax.lax.axis_index(axis)
+  return index
+
+
+def policy(axis_name: AxisName | None, at_window_end: bool = False) -> Local:
+  """The policy for ``axis_name``: :class:`Replicas` over it, or :class:`Local`.
+
+  Examples:
+    >>> policy(None)
+    Local(axes=(), at_window_end=False)
+    >>> policy("data", at_window_end=True)
+    Replicas(axes=('data',), at_window_end=True)
+  """
+  if axis_name is None:
+    return Local()
+  return Replicas(axis_name, at_window_end)

@@ -1,0 +1,232 @@
+"""State transitions of a ``MultiStepsState``: one micro-batch in, a window out.
+
+Shared by :meth:`optax_accum.MultiSteps.update` and the train step's programs
+(:mod:`optax_accum._step._programs`), each with its own reduction policy: the window
+arithmetic of :mod:`optax_accum._core._window` plus the counters, the optional
+``should_skip_update_fn`` and the inner optimizer's call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.typing import ArrayLike
+
+from optax_accum._core import _checks, _reduction, _terms, _window
+from optax_accum._core._state import (
+  WINDOW_MICRO_STEPS,
+  WINDOW_WEIGHT,
+  MultiStepsConfig,
+  MultiStepsState,
+)
+
+
+def window_of(state: MultiStepsState) -> _window.Window:
+  """The window in progress of a state."""
+  return _window.Window(
+    state.mini_step, state.acc_grads, state.acc_weight, state.acc_loss
+  )
+
+
+def _screened(
+  config: MultiStepsConfig,
+  state: MultiStepsState,
+  grads: Any,
+  params: Any,
+  reduction: Any,
+) -> tuple[jax.Array, Any]:
+  """Whether ``should_skip_update_fn`` lets the micro-batch count, and its state.
+
+  A rejection on any replica rejects it on all of them, and every replica
+  keeps the same ``skip_state``: its leaves' maximum over them.
+  """
+  if config.should_skip_update_fn is None:
+    return jnp.array(True), state.skip_state
+  skip, skip_state = config.should_skip_update_fn(grads, state.gradient_step, params)
+  if (jnp.result_type(skip), jnp.shape(skip)) != (jnp.bool_, ()):
+    raise ValueError(
+      "`should_skip_update_fn` must return a bool scalar, got dtype "
+      f"{jnp.result_type(skip)} and shape {jnp.shape(skip)}."
+    )
+  skip = reduction.sum(jnp.asarray(skip).astype(jnp.int32)) > 0
+  return ~skip, reduction.agree(skip_state)
+
+
+def add_micro_batch(
+  config: MultiStepsConfig,
+  state: MultiStepsState,
+  grads: Any,
+  params: Any = None,
+  *,
+  weight: Any,
+  loss: Any,
+  reduction: Any,
+) -> tuple[MultiStepsState, jax.Array]:
+  """``state`` with a micro-batch added (never ending the window), and whether
+  it counts towards ``k``. With ``config.terms``, ``grads``, ``weight`` and
+  ``loss`` are dicts by term name (or tuples in the terms' order)."""
+  if config.terms is not None:
+    grads = by_term(config.terms, grads, "updates")
+    weight = by_term(config.terms, weight, "weight")
+    loss = None if loss is None else by_term(config.terms, loss, "loss")
+  _checks.check_tree_matches(
+    grads,
+    state.acc_grads,
+    name="updates",
+    ref_name="the accumulator (from init(params); a train step's state, "
+    "packed or per replica, goes back to that step)",
+  )
+  if weight is None:
+    if config.grad_reduction == "sum":
+      raise ValueError(
+        "`weight` is required with grad_reduction='sum': the number of "
+        "items behind each summed-loss gradient normalises the window."
+      )
+    weight = 1
+  counted, skip_state = _screened(config, state, grads, params, reduction)
+  window = window_of(state)
+  drop = config.on_nonfinite == "skip_micro_batch"
+  kept = _terms.admit(
+    window,
+    grads,
+    loss,
+    weight,
+    reduction=reduction,
+    counted=counted,
+    drop_nonfinite=drop,
+  )
+  weigh = config.grad_reduction == "mean"
+  window = _terms.add(window, grads, loss, kept, reduction=reduction, weigh=weigh)
+  if config.grad_reduction == "window_mean":  # Shares of the whole window's mean.
+    window = _window.spoil(window, _terms.dropped(kept))
+  added = state._replace(
+    **window._asdict(),
+    updated=jnp.zeros_like(state.updated),
+    skipped_micro_batches=_count_if(_terms.dropped(kept), state.skipped_micro_batches),
+    skip_state=skip_state,
+    micro_batches_seen=optax.safe_increment(
+      jnp.asarray(state.micro_batches_seen, jnp.int32)
+    ),
+  )
+  return added, counted
+
+
+def by_term(names: tuple[str, ...], values: Any, what: str) -> tuple[Any, ...]:
+  """``values`` (a dict by term name, or a tuple in ``names``' order) as a
+  tuple in ``names``' order; a ``ValueError`` naming what is missing."""
+  if isinstance(values, tuple) and len(values) == len(names):
+    return values
+  if not isinstance(values, dict) or set(values) != set(names):
+    got = sorted(values) if isinstance(values, dict) else type(values).__name__
+    raise ValueError(
+      f"`{what}` must be a dict with one entry per loss term {list(names)} "
+      f"(MultiSteps(terms=...)), got {got}."
+    )
+  return tuple(values[name] for name in names)
+
+
+def window_ends(
+  config: MultiStepsConfig,
+  added: MultiStepsState,
+  counted: ArrayLike,
+  end_window: ArrayLike | None = None,
+) -> jax.Array:
+  """Whether the micro-batch just added ends the window."""
+  ends = jnp.asarray(counted) & (added.mini_step >= config.k_at(added.gradient_step))
+  if end_window is not None:
+    ends = ends | _checks.scalar(end_window, name="end_window", dtype=jnp.bool_)
+  return ends
+
+
+def run_inner(
+  opt: optax.GradientTransformationExtraArgs,
+  grads: Any,
+  added: MultiStepsState,
+  params: Any,
+  extra_args: dict[str, Any],
+  optional_args: dict[str, Any],
+) -> tuple[Any, Any]:
+  """The inner optimizer's update on a window's gradient, given the window's
+  totals as extra arguments; the new inner state keeps the old one's dtypes.
+
+  ``optional_args`` (the totals, the window's loss as ``value``) are dropped
+  for an inner optimizer that refuses arguments it does not use: optax's line
+  searches hand every extra argument on to ``value_fn``, and raise a
+  ``TypeError`` naming the ones it did not consume.
+  """
+  inner_state = added.inner_opt_state
+  optional = {
+    WINDOW_WEIGHT: _terms.weight(window_of(added)),
+    WINDOW_MICRO_STEPS: added.mini_step,
+    **optional_args,
+  }
+  try:
+    updates, inner = opt.update(grads, inner_state, params, **extra_args, **optional)
+  except TypeError as e:
+    if not any(name in str(e) for name in optional):
+      raise
+    updates, inner = opt.update(grads, inner_state, params, **extra_args)
+  inner = jax.tree.map(
+    lambda new, old: jnp.asarray(new).astype(jnp.result_type(old)), inner, inner_state
+  )
+  return updates, inner
+
+
+def closed(
+  added: MultiStepsState,
+  ends: jax.Array,
+  nonfinite: jax.Array,
+  applies: jax.Array,
+  inner_opt_state: Any,
+  *,
+  divided_loss: jax.Array,
+  keep_sum: bool = False,
+) -> MultiStepsState:
+  """The state after the window's end (where ``ends``), with the new inner
+  state; ``divided_loss`` is the window's loss (:meth:`MultiSteps.window_loss`)."""
+  window = _terms.reset(window_of(added), ends, keep_sum=keep_sum)
+  return added._replace(
+    **window._asdict(),
+    gradient_step=_count_if(applies, added.gradient_step),
+    inner_opt_state=inner_opt_state,
+    updated=applies,
+    skipped_windows=_count_if(nonfinite, added.skipped_windows),
+    last_window_loss=_kept_unless(ends, divided_loss, added.last_window_loss),
+    last_window_weight=_kept_unless(
+      ends, _terms.weight(window_of(added)), added.last_window_weight
+    ),
+  )
+
+
+def _count_if(flag: jax.Array, counter: jax.Array) -> jax.Array:
+  return jnp.where(flag, optax.safe_increment(counter), counter)
+
+
+def _kept_unless(ends: jax.Array, new: jax.Array, old: ArrayLike) -> jax.Array:
+  """``new`` if ``ends`` else ``old`` (cast to ``new``'s dtype)."""
+  return jnp.where(ends, new, jnp.asarray(old).astype(new.dtype))
+
+
+def typed_like(x: Any, like: Any) -> jax.Array:
+  """``x``, typed to vary over the manual mesh axes ``like`` (an abstract value
+  from ``jax.eval_shape``) varies over."""
+  types = getattr(like, "manual_axis_type", None)
+  return _reduction.varying_over(x, types.varying if types is not None else ())
+
+
+def check_extra_args(extra_args: dict[str, Any], loss: Any) -> None:
+  """Raises ``ValueError`` for extra arguments the accumulator sets itself."""
+  for name in (WINDOW_WEIGHT, WINDOW_MICRO_STEPS):
+    if name in extra_args:
+      raise ValueError(
+        f"`{name}` is reserved: MultiSteps passes the window's totals to the "
+        "inner optimizer itself."
+      )
+  if loss is not None and "value" in extra_args:
+    raise ValueError(
+      "Pass `loss=` or `value=`, not both: with `loss=` the inner optimizer "
+      "(optax.contrib.reduce_on_plateau) gets the window's loss as `value`."
+    )

@@ -1,0 +1,327 @@
+"""Window arithmetic: the running sums of one accumulation window.
+
+Pure functions over a small state, :class:`Window`: admit a micro-batch (the
+bad-weight and non-finite policy), add it, finish the window into its
+gradient and squared norm, reset. No optax and no collectives: whatever must
+be summed over data-parallel replicas goes through the ``reduction`` policy
+the caller passes (:mod:`optax_accum._core._reduction`).
+
+Examples:
+  Two micro-batches of 1 and 3 items; the window's gradient is their item
+  mean:
+
+  >>> import jax.numpy as jnp
+  >>> from optax_accum._core import _reduction, _window
+  >>> local = _reduction.Local()
+  >>> window = _window.empty(jnp.zeros(()))
+  >>> for grad, weight in [(1.0, 1.0), (3.0, 3.0)]:
+  ...   kept = _window.admit(window, grad, None, weight, reduction=local)
+  ...   window = _window.add(window, grad, None, kept, reduction=local)
+  >>> grad, squares = _window.finish(window, jnp.zeros(()))
+  >>> bool(_window.nonfinite(window, squares))
+  False
+  >>> float(grad), float(squares)
+  (2.5, 6.25)
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from jax.typing import ArrayLike, DTypeLike
+
+from optax_accum._core import _checks
+
+
+class Window(NamedTuple):
+  """The window in progress. Field names are those of ``MultiStepsState``.
+
+  Attributes:
+    mini_step: int32 ``[]``. Micro-batches counted so far.
+    acc_grads: Like params, in the accumulator dtype: the running sum of
+      ``weight * grad`` (gradients of means) or of ``grad`` (of sums). While
+      ``mini_step`` is 0 it counts as zeros, whatever it holds.
+    acc_weight: float ``[]``, float32 at least. The running sum of weights.
+    acc_loss: Like ``acc_weight``. The running sum of ``weight * loss`` (or
+      of ``loss``, for summed losses).
+  """
+
+  mini_step: jax.Array
+  acc_grads: Any
+  acc_weight: Any  # A scalar here; a tuple of them in a window of terms.
+  acc_loss: Any
+
+
+class Admission(NamedTuple):
+  """What one micro-batch does to the window (see :func:`admit`)."""
+
+  weight: jax.Array  # Its weight where its gradient adds, else 0.
+  adds: jax.Array  # Whether its gradient joins the window.
+  counted: jax.Array  # Whether it counts towards the window's length.
+  dropped: jax.Array  # Whether it was dropped on its own (counted as skipped).
+
+
+def accumulator_dtype(leaf_dtype: DTypeLike, chosen: DTypeLike | None = None) -> Any:
+  """The accumulator dtype for a leaf: ``chosen``, or float32 at least.
+
+  Examples:
+    >>> accumulator_dtype(jnp.bfloat16), accumulator_dtype(jnp.float64)
+    (dtype('float32'), dtype('float64'))
+  """
+  if chosen is not None:
+    return jnp.dtype(chosen)
+  complex_ = jnp.issubdtype(leaf_dtype, jnp.complexfloating)
+  floor = jnp.dtype(jnp.complex64 if complex_ else jnp.float32)
+  return (
+    jnp.dtype(leaf_dtype) if jnp.dtype(leaf_dtype).itemsize > floor.itemsize else floor
+  )
+
+
+def empty(params: Any, dtype: DTypeLike | None = None) -> Window:
+  """An empty window for ``params``; the accumulator is sharded like them."""
+  acc = jax.tree.map(
+    lambda p: jnp.zeros_like(p, dtype=accumulator_dtype(jnp.result_type(p), dtype)),
+    params,
+  )
+  floats = [jnp.dtype(jnp.float32)] + [
+    d
+    for d in (jnp.dtype(a.dtype) for a in jax.tree.leaves(acc))
+    if jnp.issubdtype(d, jnp.floating)
+  ]
+  weight_dtype = max(floats, key=lambda d: d.itemsize)
+  # Each field its own buffer: a state is donated leaf by leaf.
+  weight, loss = jnp.zeros([], weight_dtype), jnp.zeros([], weight_dtype)
+  return Window(jnp.zeros([], jnp.int32), acc, weight, loss)
+
+
+def all_finite(*trees: Any) -> jax.Array:
+  """Whether every element of every leaf is finite (a bool scalar)."""
+  finite = jnp.array(True)
+  for leaf in jax.tree.leaves(trees):
+    finite = finite & jnp.all(jnp.isfinite(leaf))
+  return finite
+
+
+def admit(
+  window: Window,
+  grads: Any,
+  loss: ArrayLike | None,
+  weight: ArrayLike,
+  *,
+  reduction: Any,
+  counted: ArrayLike = True,
+  drop_nonfinite: bool = False,
+) -> Admission:
+  """Decides what a micro-batch adds: the bad-weight and non-finite policy.
+
+  A negative or non-finite weight on any replica drops the micro-batch on all
+  of them (it still counts towards the window's length). With
+  ``drop_nonfinite``, so does a non-finite gradient or loss. Weight 0 adds
+  nothing and drops nothing. ``counted=False`` (a rejected micro-batch) adds
+  nothing and is not dropped.
+  """
+  w = _checks.scalar(weight, name="weight", dtype=window.acc_weight.dtype)
+  w, counted = reduction.own(w), jnp.asarray(counted)
+  shards = (w, window.acc_weight)
+  dropped = reduction.any(counted & ~(jnp.isfinite(w) & (w >= 0)), shards)
+  adds = counted & ~dropped & (w > 0)
+  if drop_nonfinite:
+    bad = reduction.any(adds & ~all_finite(grads, () if loss is None else loss), shards)
+    adds, dropped = adds & ~bad, dropped | (counted & bad)
+  return Admission(jnp.where(adds, w, jnp.zeros_like(w)), adds, counted, dropped)
+
+
+def _wider(a: Any, b: Any) -> Any:
+  return a if jnp.dtype(a).itemsize >= jnp.dtype(b).itemsize else b
+
+
+def _times(x: jax.Array, factor: jax.Array) -> jax.Array:
+  """``x * factor`` for a scalar ``factor`` the same on every device.
+
+  Partial sums (a gradient JAX left ``unreduced`` over some mesh axes: see
+  ``_reduction.Deferred``) scale by a factor typed ``reduced`` over the same
+  axes, a cast that moves nothing.
+  """
+  sharding = jax.typeof(x).sharding
+  spec = getattr(sharding, "spec", None)
+  axes: frozenset[str] = getattr(spec, "unreduced", frozenset())
+  if axes:
+    reduced = NamedSharding(sharding.mesh, P(reduced=set(axes)))
+    factor = jax.reshard(factor, reduced)
+  return x * factor
+
+
+def _weighted(
+  x: Any,
+  dtype: Any,
+  kept: Admission,
+  total: jax.Array,
+  weigh: bool,
+  name: str,
+  reduction: Any,
+) -> jax.Array:
+  """``weight * x`` (or ``x``) where the micro-batch adds, else 0, at least
+  as wide as the weight: a float16 accumulator must not turn a weight of
+  70000 into inf."""
+  x = jnp.asarray(x).astype(_wider(dtype, kept.weight.dtype))
+  if not reduction.summed_already(x):
+    x = _times(x, kept.weight.astype(x.dtype)) if weigh else x
+    return jnp.where(kept.adds, x, jnp.zeros_like(x))
+  if weigh:
+    raise ValueError(
+      f"{name} is already summed over mesh axis "
+      f"{reduction.summed_already(x)[0]!r} (JAX's autodiff sums the gradient of "
+      "params that enter shard_map replicated), so the per-replica weights "
+      "cannot be applied. Use grad_reduction='sum' with a summed loss, or make "
+      "the params per-replica first: jax.lax.pcast(params, axis, to='varying') "
+      "(make_train_step does this)."
+    )
+  return jnp.where(kept.counted & (total > 0), x, jnp.zeros_like(x))
+
+
+def add(
+  window: Window,
+  grads: Any,
+  loss: ArrayLike | None,
+  kept: Admission,
+  *,
+  reduction: Any,
+  weigh: bool = True,
+) -> Window:
+  """``window`` with an admitted micro-batch added.
+
+  ``weigh``: the gradient and loss are means over the micro-batch's items and
+  are multiplied by its weight; otherwise they are sums, added as they are.
+  Added in the product's dtype and rounded once to the accumulator's; a
+  window's first micro-batch overwrites whatever the accumulator holds.
+  """
+  total = reduction.sum(kept.weight)
+  acc_loss = window.acc_loss
+  if loss is not None:
+    loss = _checks.scalar(loss, name="loss", dtype=acc_loss.dtype)
+    term = _weighted(loss, acc_loss.dtype, kept, total, weigh, "`loss`", reduction)
+    acc_loss = acc_loss + reduction.sum(term)
+  first = window.mini_step == 0
+
+  def accumulate(path: Any, acc: jax.Array, g: Any) -> jax.Array:
+    name = f"`updates` leaf {jax.tree_util.keystr(path)}"
+    term = _weighted(g, acc.dtype, kept, total, weigh, name, reduction)
+    term = reduction.gradient(term)
+    start = jnp.where(first, jnp.zeros_like(acc), acc).astype(term.dtype)
+    return (start + term).astype(acc.dtype)
+
+  return Window(
+    mini_step=jnp.where(kept.counted, _increment(window.mini_step), window.mini_step),
+    acc_grads=jax.tree_util.tree_map_with_path(accumulate, window.acc_grads, grads),
+    acc_weight=window.acc_weight + total,
+    acc_loss=acc_loss,
+  )
+
+
+def spoil(window: Window, where: ArrayLike) -> Window:
+  """``window`` with a NaN sum where ``where``: it will end without an update
+  (see :func:`nonfinite`), as a window holding a NaN gradient does. For sums of
+  shares of the window's mean, which cannot drop one micro-batch alone.
+
+  Examples:
+    >>> w = spoil(empty(jnp.zeros(2)), True)
+    >>> bool(nonfinite(w, squares(w, jnp.zeros(2))))
+    True
+  """
+  where = jnp.asarray(where)
+  acc = jax.tree.map(
+    lambda a: jnp.where(where, jnp.full_like(a, jnp.nan), a), window.acc_grads
+  )
+  return window._replace(acc_grads=acc)
+
+
+def _increment(count: jax.Array) -> jax.Array:
+  """``count + 1``, saturating at the dtype's maximum."""
+  top = jnp.iinfo(count.dtype).max
+  return jnp.where(count < top, count + 1, count)
+
+
+def gradient(window: Window, grads_like: Any, divide: bool = True) -> Any:
+  """The window's gradient: its sum times ``1 / weight`` (if ``divide``),
+  cast to the dtype of each leaf of ``grads_like``.
+
+  A product with the reciprocal (within 1 ulp of the quotient): XLA fuses it
+  into the optimizer's ops, where a quotient gets a buffer.
+  """
+  weight = window.acc_weight
+  inverse = 1 / (weight if divide else jnp.ones_like(weight))
+
+  def leaf(acc: jax.Array, like: Any) -> jax.Array:
+    dtype = _wider(acc.dtype, inverse.dtype)
+    product = acc.astype(dtype) * inverse.astype(dtype)
+    return product.astype(jnp.result_type(like))
+
+  return jax.tree.map(leaf, window.acc_grads, grads_like)
+
+
+def squares(window: Window, grads_like: Any, divide: bool = True) -> jax.Array:
+  """The squared norm of :func:`gradient`, NaN exactly when an element of it
+  is not finite; inf when only the squares overflow.
+
+  Each element's square is summed in the weight's dtype, plus ``g - g``: NaN
+  exactly when ``g`` is not finite (inf - inf), whether the sum, the product
+  or the cast to a float16 leaf overflowed. One pass serves the finite check
+  and the norm; XLA does not simplify ``x - x`` to 0. (``x * 0`` would do the
+  same, but XLA:CPU then writes a leaf-shaped array of zeros that every
+  leaf's reduction reads.)
+  """
+  dtype = window.acc_weight.dtype
+  total = jnp.zeros([], dtype)
+  for g in jax.tree.leaves(gradient(window, grads_like, divide)):
+    g = jnp.abs(g).astype(dtype)
+    total = total + jnp.sum(jnp.square(g) + (g - g))
+  return total
+
+
+def nonfinite(window: Window, squares: jax.Array) -> jax.Array:
+  """Whether the window's gradient (``squares`` from :func:`squares`), loss or
+  weight holds a NaN or an infinity: such a window ends without an update."""
+  return jnp.isnan(squares) | ~all_finite(window.acc_loss, window.acc_weight)
+
+
+def finish(
+  window: Window, grads_like: Any, divide: bool = True
+) -> tuple[Any, jax.Array]:
+  """The window's gradient and its squared norm (see :func:`squares`)."""
+  return gradient(window, grads_like, divide), squares(window, grads_like, divide)
+
+
+def reset(window: Window, ends: ArrayLike, keep_sum: bool = False) -> Window:
+  """An empty window where ``ends``, ``window`` elsewhere. ``keep_sum``
+  leaves the sum in the accumulator for the next window's first micro-batch
+  to overwrite (zeroing it in a program that also reads it makes XLA copy
+  it). A selection, not a product with 0: a NaN never reaches the next window.
+  """
+
+  def zero(x: jax.Array) -> jax.Array:
+    return jnp.where(ends, jnp.zeros_like(x), x)
+
+  acc = window.acc_grads if keep_sum else jax.tree.map(zero, window.acc_grads)
+  return Window(
+    zero(window.mini_step), acc, zero(window.acc_weight), zero(window.acc_loss)
+  )
+
+
+def mean_loss(window: Window, shares: bool = False) -> jax.Array:
+  """The window's token-mean loss so far (0 without weight). ``shares``: the
+  losses are already shares of the window's mean, and are summed.
+
+  Examples:
+    >>> w = Window(jnp.int32(2), None, jnp.float32(4.0), jnp.float32(10.0))
+    >>> float(mean_loss(w)), float(mean_loss(w, shares=True))
+    (2.5, 10.0)
+  """
+  if shares:
+    return jnp.asarray(window.acc_loss)
+  positive = window.acc_weight > 0
+  weight = jnp.where(positive, window.acc_weight, jnp.ones_like(window.acc_weight))
+  return jnp.where(positive, window.acc_loss / weight, jnp.zeros_like(weight))

@@ -1,0 +1,1 @@
+"""Flax integrations (Linen ``TrainState``, NNX ``Optimizer``)."""

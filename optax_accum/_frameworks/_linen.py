@@ -1,0 +1,84 @@
+"""A Flax Linen ``TrainState`` that passes each micro-batch's weight on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+from flax.training import train_state
+from jax.typing import ArrayLike
+
+from optax_accum._frameworks._checks import check_accumulates, check_update
+
+
+class TrainState(train_state.TrainState):
+  """``flax.training.train_state.TrainState`` for :class:`MultiSteps` as ``tx``.
+
+  ``apply_gradients(grads=g, weight=n)`` adds one micro-batch with its weight
+  (Linen's own ``apply_gradients`` has no way to pass it, and without it a
+  window is the uniform mean of micro-batch means). ``weight`` is required;
+  ``weight=1`` asks for the uniform mean explicitly.
+
+  ``step`` counts optimizer updates (windows), not calls: Linen's counts every
+  micro-batch. The state's ``opt_state`` holds the rest (see
+  :func:`optax_accum.get_last_window`, :func:`optax_accum.get_update_count`).
+
+  Subclass it as Linen's own, to add fields such as ``batch_stats``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, optax_accum
+    >>> from optax_accum.flax import TrainState
+    >>> state = TrainState.create(
+    ...     apply_fn=None, params=jnp.zeros(()),
+    ...     tx=optax_accum.MultiSteps(optax.sgd(1.0), every_k_schedule=2))
+    >>> for grad, tokens in [(1.0, 1), (3.0, 3)]:
+    ...   state = state.apply_gradients(grads=jnp.array(grad), weight=tokens)
+    >>> float(state.params), int(state.step)  # -(1*1 + 3*3) / (1 + 3), 1 update
+    (-2.5, 1)
+  """
+
+  def apply_gradients(
+    self,
+    *,
+    grads: Any,
+    weight: ArrayLike | None = None,
+    loss: ArrayLike | None = None,
+    end_window: ArrayLike | None = None,
+    **kwargs: Any,
+  ) -> TrainState:
+    """Adds one micro-batch; applies the update if it ends the window.
+
+    Args:
+      grads: The micro-batch's gradient, like ``params``.
+      weight: Items behind ``grads`` (required; see the class).
+      loss: Optional micro-batch loss: the window's loss is then kept in the
+        optimizer state (:func:`optax_accum.get_last_window`) and passed to
+        the inner optimizer as ``value``.
+      end_window: Optional bool: end the window with this micro-batch.
+      **kwargs: Other fields to replace, as in Linen's ``apply_gradients``.
+
+    Returns:
+      The new state; ``step`` is one more only if an update was applied.
+    """
+    where = "optax_accum.flax.TrainState.apply_gradients"
+    check_update(self.opt_state, weight, where=where)
+    if isinstance(grads, dict) and "_overwrite_with_gradient" in grads:
+      raise ValueError(
+        f"{where} does not support Flax's `_overwrite_with_gradient` collection."
+      )
+    updates, opt_state = self.tx.update(
+      grads,
+      self.opt_state,
+      self.params,
+      weight=weight,
+      loss=loss,
+      end_window=end_window,
+    )
+    updated = check_accumulates(opt_state, where=where).updated
+    return self.replace(
+      step=self.step + jnp.asarray(updated).astype(jnp.int32),
+      params=optax.apply_updates(self.params, updates),
+      opt_state=opt_state,
+      **kwargs,
+    )

@@ -1,0 +1,29 @@
+"""Progress: schedules that count real updates, state inspection, batch helpers.
+
+The wings above import only these names.
+"""
+
+from optax_accum._core._hyperparams import get_hyperparams
+from optax_accum._progress._batching import causal_lm_target_mask, split_micro_batches
+from optax_accum._progress._inspect import (
+  get_last_window,
+  get_update_count,
+  schedule_free_eval_params,
+)
+from optax_accum._progress._schedules import (
+  ProgressSchedule,
+  ProgressState,
+  progress_schedule,
+)
+
+__all__ = (
+  "ProgressSchedule",
+  "ProgressState",
+  "causal_lm_target_mask",
+  "get_hyperparams",
+  "get_last_window",
+  "get_update_count",
+  "progress_schedule",
+  "schedule_free_eval_params",
+  "split_micro_batches",
+)

@@ -1,0 +1,8 @@
+"""The train step: compiled programs, accumulator layouts, the host-side choice.
+
+The wings above import only these names.
+"""
+
+from optax_accum._step._train_step import Mode, TrainStep, make_train_step
+
+__all__ = ("Mode", "TrainStep", "make_train_step")

@@ -1,0 +1,185 @@
+"""One gradient reduction per window under plain ``jit``, no ``axis_name``.
+
+On an ``Explicit`` mesh (``jax.make_mesh``'s default), with the batch's rows
+split over data axes and params not split over them, the step's programs
+cast params to JAX's ``reduced`` type before the gradient, so JAX leaves
+their gradients ``unreduced``: each device's partial sum. The programs add
+the partial sums without communication and reduce them once, when the window
+ends (:class:`optax_accum._core._reduction.Deferred`); the loss still sees the
+global batch. Between calls the accumulator holds the partial sums as the
+``axis_name`` layout does (:mod:`optax_accum._step._replicas`): a leading axis of
+replicas split over the data axes, so checkpoints look and restore the same.
+
+Which params can be cast is found by tracing the step: JAX 0.10 refuses
+some ops on a ``reduced`` operand (an elementwise op between a param and
+data-split activations: a bias, a norm's scale, a position table added to
+the inputs). Those leaves keep XLA's reduction per micro-batch; biases and
+scales are small, and only leaves of two or more dimensions are tried.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from optax_accum._core._checks import axes as _axes
+from optax_accum._core._reduction import Deferred
+from optax_accum._core._state import MultiStepsConfig
+from optax_accum._step._programs import Programs
+from optax_accum._step._replicas import DataLayout
+
+
+def candidate(
+  params: Any, batch: Any, config: MultiStepsConfig, *, scan: bool
+) -> DataLayout | None:
+  """The mesh and data axes of a call that can defer its gradient reduction
+  (before choosing the leaves), or ``None``.
+
+  Needs every batch leaf split along its rows (the second axis in scan mode)
+  over the same ``Explicit`` mesh axes, and params on that mesh not split
+  over them (FSDP's gradients are reduce-scattered per micro-batch by XLA).
+  ``on_nonfinite="skip_micro_batch"`` checks each micro-batch's whole
+  gradient, so it keeps the reduction per micro-batch.
+  """
+  if config.on_nonfinite == "skip_micro_batch":
+    return None
+  dim = 1 if scan else 0
+  found = set()
+  for leaf in jax.tree.leaves(batch):
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or len(sharding.spec) <= dim:
+      return None
+    found.add((sharding.mesh, _axes(sharding.spec[dim])))
+  if len(found) != 1:
+    return None
+  mesh, axes = found.pop()
+  if not isinstance(mesh, jax.sharding.Mesh):
+    return None
+  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+  if not axes or any(types[a] != AxisType.Explicit for a in axes):
+    return None
+  if math.prod(mesh.shape[a] for a in axes) == 1:  # Nothing to reduce.
+    return None
+  for leaf in jax.tree.leaves(params):
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or sharding.mesh != mesh:
+      return None
+    if {a for entry in sharding.spec for a in _axes(entry)} & set(axes):
+      return None
+  return DataLayout(mesh, axes)
+
+
+def policy(layout: DataLayout) -> Deferred:
+  """The reduction policy of a layout whose leaves are chosen."""
+  assert layout.deferred is not None
+  return Deferred(mesh=layout.mesh, over=layout.axes, leaves=layout.deferred)
+
+
+def choose_leaves(
+  layout: DataLayout, fits: Callable[[DataLayout], bool], params: Any
+) -> DataLayout | None:
+  """``layout`` with the largest set of leaves ``fits`` accepts (tried among
+  leaves of two or more dimensions), or ``None`` if none is."""
+  flat = jax.tree.leaves(params)
+  wanted = [i for i, p in enumerate(flat) if jnp.ndim(p) >= 2]
+
+  def flags(chosen: Sequence[int]) -> tuple[bool, ...]:
+    return tuple(i in chosen for i in range(len(flat)))
+
+  chosen = _fitting(wanted, lambda c: fits(layout._replace(deferred=flags(c))))
+  return layout._replace(deferred=flags(chosen)) if chosen else None
+
+
+def _fitting(indices: list[int], fits: Callable[[list[int]], bool]) -> list[int]:
+  """The indices ``fits`` accepts together: halving the group until the
+  leaves that fail are alone (a few traces per failing leaf)."""
+  if not indices or fits(indices):
+    return indices
+  if len(indices) == 1:
+    return []
+  half = len(indices) // 2
+  left, right = _fitting(indices[:half], fits), _fitting(indices[half:], fits)
+  if left and right and not fits(left + right):
+    return max(left, right, key=len)
+  return left + right
+
+
+def _view(layout: DataLayout, stacked: Any) -> Any:
+  """The accumulator as the programs add to it: each device's partial sum,
+  typed ``unreduced`` over the data axes (no data moves)."""
+
+  def view(stack: jax.Array) -> jax.Array:
+    rest = jax.typeof(stack).sharding.spec.partitions[1:]
+    unreduced = P(*rest, unreduced=set(layout.axes))
+    return _local(layout, lambda s: s[0], layout.spec(*rest), unreduced)(stack)
+
+  return jax.tree.map(view, stacked)
+
+
+def _stacked(layout: DataLayout, partial_sums: Any) -> Any:
+  """The accumulator in its layout between calls: the partial sums along a
+  leading axis of replicas (no data moves)."""
+
+  def stack(x: jax.Array) -> jax.Array:
+    rest = jax.typeof(x).sharding.spec.partitions
+    unreduced = P(*rest, unreduced=set(layout.axes))
+    return _local(layout, lambda v: v[None], unreduced, layout.spec(*rest))(x)
+
+  return jax.tree.map(stack, partial_sums)
+
+
+def _local(layout: DataLayout, fn: Callable[..., Any], in_spec: P, out_spec: P) -> Any:
+  """``fn`` on each device's own block: a ``shard_map`` that moves no data
+  (unchecked: ``unreduced`` to per-device values has no typed cast)."""
+  return jax.shard_map(
+    fn, mesh=layout.mesh, in_specs=in_spec, out_specs=out_spec, check_vma=False
+  )
+
+
+def accumulate_program(layout: DataLayout, bodies: Programs) -> Callable[..., Any]:
+  """The streaming accumulate body, the accumulator in its stacked layout."""
+
+  def accumulate(params: Any, acc: Any, counters: Any, batch: Any, rng: Any) -> Any:
+    view = _view(layout, acc)
+    acc, counters, loss, grad_norm, aux = bodies.accumulate(
+      params, view, counters, batch, rng
+    )
+    return _stacked(layout, acc), counters, loss, grad_norm, aux
+
+  return accumulate
+
+
+def programs(
+  layout: DataLayout, bodies: Programs, *, scan: bool, donate: bool
+) -> tuple[Any, Any]:
+  """The step's accumulate and update programs for a deferred layout."""
+  run = bodies.scan if scan else bodies.update
+
+  def update(params: Any, inner: Any, acc: Any, counters: Any, *rest: Any) -> Any:
+    view = _view(layout, acc)
+    params, inner, acc, counters, metrics = run(params, inner, view, counters, *rest)
+    return params, inner, _stacked(layout, acc), counters, metrics
+
+  return (
+    jax.jit(accumulate_program(layout, bodies), donate_argnums=(1,) if donate else ()),
+    jax.jit(update, donate_argnums=(0, 1, 2) if donate else ()),
+  )
+
+
+def micro_batch_like(batch: Any) -> Any:
+  """Shapes of one micro-batch of a scan-mode ``batch`` (its first entry)."""
+
+  def one(x: Any) -> jax.ShapeDtypeStruct:
+    sharding = x.sharding
+    spec = P(*tuple(sharding.spec)[1:])
+    return jax.ShapeDtypeStruct(
+      x.shape[1:], x.dtype, sharding=NamedSharding(sharding.mesh, spec)
+    )
+
+  return jax.tree.map(one, batch)

@@ -1,0 +1,412 @@
+"""The train step's in-graph programs: accumulate, update (in place) and scan,
+and finish (update's end of the window alone).
+
+Built from the window arithmetic, a reduction policy and the state
+transitions of :mod:`optax_accum._core._multi_steps`. Each program takes the
+params-sized parts of the optimizer state (inner state, accumulator) apart
+from its counters, so the caller can donate the former and keep the latter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_accum._core import _reduction, _terms
+from optax_accum._core import _transitions as ms
+from optax_accum._core._hyperparams import get_hyperparams
+from optax_accum._core._multi_steps import MultiSteps
+from optax_accum._core._state import MultiStepsState
+
+Metrics = dict[str, Any]
+
+
+def counters(state: MultiStepsState) -> MultiStepsState:
+  """``state`` without its params-sized parts: the counters and window totals.
+
+  The programs take the params-sized parts (params, inner optimizer state,
+  accumulator) as separate, donated arguments and these as plain ones: never
+  donated, so the metrics a step returns can share them.
+  """
+  return state._replace(inner_opt_state=None, acc_grads=None)
+
+
+def joined(counters: MultiStepsState, inner: Any, acc: Any) -> MultiStepsState:
+  """The state :func:`counters` split, whole again."""
+  return counters._replace(inner_opt_state=inner, acc_grads=acc)
+
+
+def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
+  """``fn(init)`` if ``pred`` else ``init``, as a loop that runs once or never.
+
+  XLA updates a loop's carry (params, optimizer state) in place, where a
+  ``cond`` or a select between new and old values keeps both alive and copies
+  them first. ``init`` is typed like ``fn``'s outputs (``jax.eval_shape``).
+
+  Examples:
+    >>> float(once_if(jnp.array(True), lambda x: x + 1, jnp.array(1.0)))
+    2.0
+    >>> float(once_if(jnp.array(False), lambda x: x + 1, jnp.array(1.0)))
+    1.0
+  """
+  init = jax.tree.map(ms.typed_like, init, jax.eval_shape(fn, init))
+  return jax.lax.while_loop(
+    lambda carry: carry[0],
+    lambda carry: (jnp.zeros_like(carry[0]), fn(carry[1])),
+    (pred, init),
+  )[1]
+
+
+def learning_rate(state: MultiStepsState) -> Any:
+  """The injected learning rate, a dict of them by group, or ``None``."""
+  try:
+    return get_hyperparams(state).get("learning_rate")
+  except ValueError:  # No injected hyperparameters.
+    return None
+
+
+def metrics(
+  added: MultiStepsState,
+  new: MultiStepsState,
+  loss: Any,
+  norm: Any,
+  lr: Any,
+  terms: tuple[str, ...] | None = None,
+) -> Metrics:
+  """The step's metrics from the window so far (``added``) and the new state;
+  with loss ``terms``, each term's mean loss and weight under ``"terms"``."""
+  window = ms.window_of(added)
+  out: Metrics = {
+    "loss": loss,
+    "weight": _terms.weight(window),
+    "micro_steps": added.mini_step,
+    "updated": new.updated,
+    "update_count": new.gradient_step,
+    "grad_norm": norm,
+    "skipped_micro_batches": new.skipped_micro_batches,
+    "skipped_windows": new.skipped_windows,
+  }
+  if lr is not None:
+    out["learning_rate"] = lr
+  if terms is not None:
+    out["terms"] = _terms.term_metrics(window, terms)
+  return out
+
+
+class Programs:
+  """The in-graph bodies of a train step, for one reduction policy.
+
+  With ``reduction.at_window_end`` the accumulator is this replica's partial
+  sum, and stays one; otherwise it is the window's sum.
+  """
+
+  def __init__(
+    self,
+    loss_fn: Callable[..., Any],
+    optimizer: MultiSteps,
+    has_aux: bool,
+    reduction: _reduction.Local,
+  ):
+    self.loss_fn = loss_fn
+    self.optimizer = optimizer
+    self.config = optimizer.config
+    self.has_aux = has_aux
+    self.reduction = reduction
+
+  # -- one micro-batch -------------------------------------------------------
+
+  def _grads(self, params: Any, batch: Any, rng: Any, seen: Any) -> tuple[Any, ...]:
+    """Gradient, loss, weight and aux of one micro-batch."""
+    axes = self.reduction.axes
+    args: tuple[Any, ...] = (batch,)
+    if rng is not None:
+      # The run's n-th micro-batch gets fold_in(rng, n), whatever became of the
+      # micro-batches before it; each replica draws its own for its own rows.
+      key = jax.random.fold_in(rng, seen)
+      if axes:
+        key = jax.random.fold_in(key, _reduction.replica_index(axes))
+      args = (batch, key)
+    params = self.reduction.cast_params(params)
+
+    if self.config.terms is not None:
+      return self._term_grads(params, args)
+
+    def loss(p: Any) -> tuple[jax.Array, tuple[Any, Any]]:
+      return self._loss_parts(self.loss_fn(p, *args))
+
+    (value, (weight, aux)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return grads, value, weight, aux
+
+  def _term_grads(self, params: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Each loss term's gradient, value and weight (tuples in the terms' order).
+
+    One backward pass per term, from that term alone. Pulling all terms back
+    at once, with a cotangent of 0 for the others, would turn one term's NaN
+    or inf (a mean over no tokens, 0/0, at weight 0) into NaN in every term's
+    gradient (0 * NaN). The forward passes are the same ops on the same
+    inputs, and XLA computes them once.
+    """
+    names = self.config.terms
+    assert names is not None
+
+    def term(i: int) -> Callable[[Any], tuple[Any, Any]]:
+      def value(p: Any) -> tuple[Any, Any]:
+        terms, aux = self._term_parts(self.loss_fn(p, *args))
+        values = tuple(terms[n][0] for n in names)
+        return values[i], (values, tuple(terms[n][1] for n in names), aux)
+
+      return value
+
+    grads = []
+    for i in range(len(names)):
+      grad, (values, weights, aux) = jax.grad(term(i), has_aux=True)(params)
+      grads.append(grad)
+    return tuple(grads), values, weights, aux
+
+  def _term_parts(self, out: Any) -> tuple[dict[str, Any], Any]:
+    """The dict of terms ``{name: (value, weight)}`` and the aux, checked."""
+    names = self.config.terms
+    terms, aux = out if self.has_aux and isinstance(out, tuple) else (out, None)
+    if not isinstance(terms, dict) or set(terms) != set(names or ()):
+      got = sorted(terms) if isinstance(terms, dict) else type(terms).__name__
+      want = "({name: (value, weight)}, aux)" if self.has_aux else "a dict"
+      raise ValueError(
+        f"`loss_fn` must return {want} with one (value, weight) pair per loss "
+        f"term {list(names or ())} (MultiSteps(terms=...)), got {got}."
+      )
+    for name, pair in terms.items():
+      if not (isinstance(pair, tuple) and len(pair) == 2):
+        raise ValueError(
+          f"`loss_fn`'s term {name!r} must be a (value, weight) pair, got "
+          f"{type(pair).__name__}."
+        )
+    return terms, aux
+
+  def _loss_parts(self, out: Any) -> tuple[Any, tuple[Any, Any]]:
+    if isinstance(out, dict):
+      raise ValueError(
+        self._contract(
+          f"got a dict of loss terms {sorted(out)}: declare them with "
+          "MultiSteps(..., terms=(...)) to keep each term's own weight"
+        )
+      )
+    if not (isinstance(out, tuple) and len(out) == 2):
+      raise ValueError(self._contract(f"got {type(out).__name__}"))
+    value, rest = out
+    if self.has_aux:
+      if not (isinstance(rest, tuple) and len(rest) == 2):
+        raise ValueError(self._contract(f"got (loss, {type(rest).__name__})"))
+      return value, rest
+    if isinstance(rest, tuple | list | dict):
+      raise ValueError(
+        self._contract(f"got (loss, {type(rest).__name__}): set has_aux=True?")
+      )
+    return value, (rest, None)
+
+  def _contract(self, got: str) -> str:
+    want = "(loss, (weight, aux))" if self.has_aux else "(loss, weight)"
+    return f"`loss_fn` must return {want} with has_aux={self.has_aux}, {got}."
+
+  def _add(
+    self, params: Any, state: MultiStepsState, batch: Any, rng: Any, reduction: Any
+  ) -> tuple[MultiStepsState, jax.Array, Any, Any]:
+    """One micro-batch added; whether it counted, its gradient and its aux."""
+    grads, value, weight, aux = self._grads(
+      params, batch, rng, state.micro_batches_seen
+    )
+    added, counted = ms.add_micro_batch(
+      self.config,
+      state,
+      self.accumulated(grads),
+      params,
+      weight=weight,
+      loss=value,
+      reduction=reduction,
+    )
+    return added, counted, grads, aux
+
+  # -- the accumulator's layout: the params' own here (see _packing) ------------
+
+  def accumulated(self, grads: Any) -> Any:
+    """A micro-batch's gradient laid out as the accumulator holds it."""
+    return grads
+
+  def as_params(self, acc: Any) -> Any:
+    """The accumulator laid out as the params, for the optimizer."""
+    return acc
+
+  # -- the programs ----------------------------------------------------------
+
+  def accumulate(
+    self, params: Any, acc: Any, counters_: MultiStepsState, batch: Any, rng: Any
+  ) -> tuple[Any, MultiStepsState, jax.Array, jax.Array, Any]:
+    """Adds a micro-batch that cannot end the window."""
+    state = joined(counters_, None, acc)
+    added, _, _, aux = self._add(params, state, batch, rng, self.reduction)
+    loss = self.optimizer.window_loss(added)
+    return added.acc_grads, counters(added), loss, jnp.zeros([], jnp.float32), aux
+
+  def update(
+    self,
+    params: Any,
+    inner: Any,
+    acc: Any,
+    counters_: MultiStepsState,
+    batch: Any,
+    rng: Any,
+    end_window: Any,
+  ) -> tuple[Any, ...]:
+    """Adds a micro-batch and ends the window if it is full or ``end_window``."""
+    state = joined(counters_, inner, acc)
+    added, counted, grads, aux = self._add(params, state, batch, rng, self.reduction)
+    return self._ended(added, counted, end_window, params, aux, grads)
+
+  def finish(
+    self,
+    params: Any,
+    inner: Any,
+    acc: Any,
+    counters_: MultiStepsState,
+    aux: Any,
+    end_window: Any,
+  ) -> tuple[Any, ...]:
+    """:meth:`update`'s second half, after :meth:`accumulate` added the
+    micro-batch (``aux`` its aux): the window ends if it is full or
+    ``end_window``. Where every micro-batch counts (no
+    ``should_skip_update_fn``) and gradients have the params' dtypes."""
+    added = joined(counters_, inner, acc)
+    return self._ended(added, jnp.array(True), end_window, params, aux, None)
+
+  def _ended(
+    self,
+    added: MultiStepsState,
+    counted: Any,
+    end_window: Any,
+    params: Any,
+    aux: Any,
+    grads_like: Any,
+  ) -> tuple[Any, ...]:
+    """The window of ``added`` ended if it is full or ``end_window``."""
+    ends = ms.window_ends(self.config, added, counted, end_window)
+    # The sums cut into the params' leaves once, before the optimizer's loop:
+    # the norm's per-leaf sums then reduce the same arrays as unpacked.
+    window = self.reduction.window_gradient(self.as_params(added.acc_grads))
+    summed = added._replace(acc_grads=window)
+    params, inner, counters_, out = self._end(summed, ends, params, aux, grads_like)
+    # The accumulator keeps the window's sum (or this replica's partial sum)
+    # for the next window's first micro-batch to overwrite.
+    return params, inner, added.acc_grads, counters_, out
+
+  def scan(
+    self,
+    params: Any,
+    inner: Any,
+    acc: Any,
+    counters_: MultiStepsState,
+    batch: Any,
+    rng: Any,
+  ) -> tuple[Any, ...]:
+    """A whole window, its micro-batches along the batch's leading axis.
+
+    With replicas each sums its own micro-batches inside the loop, and the
+    partial sums are added up once after it. A streamed part of the window
+    that ``acc`` holds already summed joins after that reduction. ``acc``
+    ``None``: the window is empty (``mini_step`` 0), and the sums are neither
+    read nor returned (``None`` in their place): each of their buffers costs
+    the host time on every call.
+    """
+    _check_leading_axis(batch)
+    axes, partial = self.reduction.axes, self.reduction.at_window_end
+    loop = self.reduction.per_window()
+    empty = acc is None
+    if empty:
+      terms = len(self.config.terms or ())
+      acc = _terms.empty(params, self.config.accumulator_dtype, terms).acc_grads
+    own = axes and (empty or not partial)
+    start = jax.tree.map(_own_zeros(loop), acc) if own else acc
+
+    def body(state: MultiStepsState, micro_batch: Any) -> Any:
+      added, _, _, aux = self._add(params, state, micro_batch, rng, loop)
+      return added, aux
+
+    added, auxs = jax.lax.scan(body, joined(counters_, None, start), batch)
+    partial_sums = added.acc_grads
+    window = loop.window_gradient(partial_sums)
+    if axes and not partial and not empty:
+      streamed = counters_.mini_step > 0
+      window = jax.tree.map(
+        lambda total, a: total + jnp.where(streamed, a, jnp.zeros_like(a)), window, acc
+      )
+    summed = added._replace(acc_grads=self.as_params(window), inner_opt_state=inner)
+    params, inner, counters_, out = self._end(
+      summed, jnp.array(True), params, auxs, None
+    )
+    if empty:
+      return params, inner, None, counters_, out
+    return params, inner, partial_sums if partial else window, counters_, out
+
+  def _end(
+    self, added: MultiStepsState, ends: Any, params: Any, aux: Any, grads_like: Any
+  ) -> tuple[Any, ...]:
+    """Ends the window if ``ends``, updating params in place.
+
+    Returns params, the inner state, the counters and the metrics.
+    """
+    if grads_like is None or self.config.terms is not None:
+      grads_like = params
+    window, divides = ms.window_of(added), self.config.divides
+    positive = ends & _terms.has_weight(window)
+
+    def checked(_: Any) -> tuple[jax.Array, jax.Array]:
+      squares = _terms.squares(window, grads_like, divides)
+      return squares, _terms.nonfinite(window, squares)
+
+    # Only a window that ends reads its sums: traced in the user's jit,
+    # ``ends`` is known only on the device, and every micro-step runs this.
+    squares, flag = once_if(positive, checked, zeros(jax.eval_shape(checked, None)))
+    nonfinite = positive & self.reduction.any(flag, added.acc_weight)
+    applies = positive & ~nonfinite
+    loss = self.optimizer.window_loss(added)
+
+    def update(carry: Any) -> Any:
+      params, inner, _ = carry
+      grads = _terms.gradient(window, grads_like, divides)
+      with_inner = added._replace(inner_opt_state=inner)
+      new, inner = ms.run_inner(
+        self.optimizer.inner_opt, grads, with_inner, params, {}, {"value": loss}
+      )
+      return optax.apply_updates(params, new), inner, jnp.sqrt(squares)
+
+    carry = (params, added.inner_opt_state, jnp.zeros_like(squares))
+    params, inner, norm = once_if(applies, update, carry)
+    new = ms.closed(
+      added, ends, nonfinite, applies, inner, divided_loss=loss, keep_sum=True
+    )
+    norm = norm.astype(jnp.float32)
+    out = metrics(added, new, loss, norm, learning_rate(new), self.config.terms)
+    if self.has_aux:
+      out["aux"] = aux
+    return params, inner, counters(new), out
+
+
+def zeros(shapes: Any) -> Any:
+  """Zeros shaped and typed as ``shapes`` (``jax.eval_shape``'s output)."""
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def _own_zeros(reduction: Any) -> Callable[[jax.Array], jax.Array]:
+  return lambda x: reduction.own(jnp.zeros_like(x))
+
+
+def _check_leading_axis(batch: Any) -> None:
+  sizes = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
+  if len(sizes) != 1 or None in sizes or 0 in sizes:
+    raise ValueError(
+      "In scan mode every `batch` leaf needs the same leading micro-batch axis "
+      f"of size >= 1, got leading sizes {sorted(map(str, sizes))}."
+    )

@@ -1,0 +1,284 @@
+"""Per-replica accumulators: one gradient reduction per window under plain jit.
+
+With ``make_train_step(..., axis_name="data")`` called under plain ``jit`` on a
+batch sharded over mesh axis ``"data"``, the step runs its programs in a
+``shard_map`` over that axis: each replica adds its own rows' weighted
+gradient to its own partial sum, and the partial sums are added up once, when
+the window ends. Between calls the state's accumulator holds the partial sums
+with a leading axis of replicas, sharded over the data axis: every device
+keeps one params-sized sum, as a replicated accumulator would.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from optax_accum._core._checks import axes as _axes
+from optax_accum._core._reduction import AxisName
+from optax_accum._step._programs import Programs
+
+
+class DataLayout(NamedTuple):
+  """The mesh and data-parallel axes a batch is sharded over.
+
+  ``deferred``: ``None`` for ``axis_name``'s layout (the loss sees each
+  replica's rows, in a ``shard_map``); else the global-view layout of
+  :mod:`optax_accum._step._deferred`, one bool per params leaf: whether its
+  gradient stays partial until the window ends.
+  """
+
+  mesh: jax.sharding.Mesh
+  axes: tuple[str, ...]
+  deferred: tuple[bool, ...] | None = None
+
+  @property
+  def replicas(self) -> int:
+    return math.prod(self.mesh.shape[axis] for axis in self.axes)
+
+  def spec(self, *rest: Any) -> P:
+    """A spec whose leading dimension is split over the data axes."""
+    return P(self.axes[0] if len(self.axes) == 1 else self.axes, *rest)
+
+
+def data_layout(
+  axis_name: AxisName, params: Any, batch: Any, *, scan: bool
+) -> DataLayout:
+  """Where ``batch`` is split over ``axis_name``; checks params are not.
+
+  Raises:
+    ValueError: if a batch leaf is not a ``NamedSharding`` array split over
+      exactly ``axis_name`` along its rows (the second axis in scan mode), or
+      a params leaf is split over ``axis_name``.
+  """
+  axes = _axes(axis_name)
+  dim = 1 if scan else 0
+  meshes = set()
+  for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+    sharding = getattr(leaf, "sharding", None)
+    spec = sharding.spec if isinstance(sharding, NamedSharding) else ()
+    got = _axes(spec[dim]) if len(spec) > dim else ()
+    if got != axes:
+      raise ValueError(
+        f"`axis_name` {axis_name!r} outside shard_map: the step sums each "
+        "replica's gradient once per window, so every batch leaf must be a "
+        f"jax.Array split over {axis_name!r} along its "
+        f"{'second (rows) axis in scan mode' if scan else 'rows (first axis)'};"
+        f" batch{jax.tree_util.keystr(path)} is split over {got or 'nothing'}. "
+        f"Place it with jax.device_put(batch, NamedSharding(mesh, "
+        f"P({'None, ' if scan else ''}{axis_name!r}))), or drop axis_name."
+      )
+    meshes.add(sharding.mesh)  # type: ignore[union-attr]
+  if len(meshes) != 1:
+    raise ValueError(f"The batch's leaves lie on {len(meshes)} different meshes.")
+  mesh = meshes.pop()
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+      split = {a for entry in sharding.spec for a in _axes(entry)} & set(axes)
+      if split:
+        raise ValueError(
+          f"params{jax.tree_util.keystr(path)} is split over the data axis "
+          f"{sorted(split)[0]!r} (FSDP, ZeRO): a per-replica partial sum would "
+          "need a whole copy of it on every device. Drop axis_name: under "
+          "plain jit XLA then reduce-scatters each micro-batch's gradient."
+        )
+  return DataLayout(mesh, axes)
+
+
+def _stacked(leaf: jax.Array, param: Any) -> bool:
+  return jnp.ndim(leaf) == jnp.ndim(param) + 1
+
+
+def per_replica(acc: Any, params: Any, layout: DataLayout) -> Any:
+  """``acc`` as per-replica partial sums: a leading axis of replicas.
+
+  Partial sums for this many replicas are placed as they are (a checkpoint
+  restores them as host arrays). A summed accumulator becomes the first
+  replica's partial sum (the others start from zeros), so a window in
+  progress carries on exactly; partial sums for another number of replicas
+  are summed first. Each partial sum is sharded like its param over the
+  other mesh axes, ``Explicit`` ones included.
+  """
+  n = layout.replicas
+
+  def convert(a: Any, p: Any) -> jax.Array:
+    rest = _spec_on(layout.mesh, p) or (None,) * jnp.ndim(p)
+    if _stacked(a, p):
+      if a.shape[0] == n:
+        return _placed(a, NamedSharding(layout.mesh, layout.spec(*rest)))
+      a = jnp.sum(a, axis=0, dtype=a.dtype)
+    a = _placed(a, NamedSharding(layout.mesh, P(*rest)))
+    return _first_replica(layout, P(*rest))(a)
+
+  return jax.tree.map(convert, acc, params)
+
+
+def _spec_on(mesh: jax.sharding.Mesh, x: Any) -> tuple[Any, ...]:
+  """``x``'s partition spec, one entry per axis, if it is an array with a
+  ``NamedSharding`` on ``mesh``; else ``()``."""
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+    return tuple(sharding.spec) + (None,) * (jnp.ndim(x) - len(sharding.spec))
+  return ()
+
+
+def _placed(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+  """``x`` with ``sharding``: itself when it has it already."""
+  if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+    return x
+  return jax.device_put(x, sharding)
+
+
+@functools.cache
+def _first_replica(layout: DataLayout, spec: P) -> Any:
+  """A program that makes a sum sharded as ``spec`` the first replica's
+  partial sum, and zeros every other replica's.
+
+  A selection, not ``.at[0].set``: on an ``Explicit`` mesh, scattering a sum
+  split over ``model`` into a replicated stack is a sharding type error. Each
+  device computes only its own slice; nothing moves between devices.
+  """
+  n = layout.replicas
+
+  def stacked(a: jax.Array) -> jax.Array:
+    first = (jnp.arange(n) == 0).reshape((n,) + (1,) * a.ndim)
+    return jnp.where(first, a[None], jnp.zeros((), a.dtype))
+
+  return jax.jit(stacked, out_shardings=NamedSharding(layout.mesh, layout.spec(*spec)))
+
+
+def summed(acc: Any, params: Any) -> Any:
+  """``acc`` with per-replica partial sums (see :func:`per_replica`) added up,
+  each sum placed like its param."""
+
+  def one_sum(a: Any, p: Any) -> Any:
+    if not _stacked(a, p):
+      return a
+    total = jnp.sum(a, axis=0, dtype=a.dtype)
+    if isinstance(p, jax.Array) and not isinstance(p, jax.core.Tracer):
+      return _placed(total, p.sharding)
+    return total
+
+  return jax.tree.map(one_sum, acc, params)
+
+
+def mesh_of(*trees: Any) -> jax.sharding.Mesh | None:
+  """The mesh of the first leaf placed with a ``NamedSharding``, if any."""
+  for leaf in jax.tree.leaves(trees):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding) and isinstance(
+      sharding.mesh, jax.sharding.Mesh
+    ):
+      return sharding.mesh
+  return None
+
+
+def as_returned(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+  """``tree`` placed as the step's programs return it, so that the next call
+  finds the programs compiled: each spec spelled out to the array's rank
+  (``P()`` comes back as ``P(None, None)``: the same sharding, but another
+  key to ``jit``'s cache), without copying; an array on no mesh (counters
+  from ``opt.init``) replicated on ``mesh``.
+  """
+
+  def place(x: Any) -> Any:
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+      return x
+    sharding = x.sharding
+    if not isinstance(sharding, NamedSharding):
+      return jax.device_put(x, NamedSharding(mesh, P()))
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    if tuple(sharding.spec) == spec:
+      return x
+    full = NamedSharding(sharding.mesh, P(*spec, unreduced=sharding.spec.unreduced))
+    shards = [shard.data for shard in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, full, shards)
+
+  return jax.tree.map(place, tree)
+
+
+def has_partial_sums(acc: Any, params: Any) -> bool:
+  """Whether ``acc`` holds per-replica partial sums."""
+  return any(
+    _stacked(a, p)
+    for a, p in zip(jax.tree.leaves(acc), jax.tree.leaves(params), strict=False)
+  )
+
+
+def sharded_programs(
+  layout: DataLayout, bodies: Programs, *, scan: bool, donate: bool
+) -> tuple[Any, Any]:
+  """The step's accumulate and update programs, run in a ``shard_map``.
+
+  ``bodies`` keep each replica's weighted gradients in its own partial sum
+  (a reduction policy with ``at_window_end``). The accumulator's leading
+  axis, the batch's rows and ``aux`` (which gains a replica axis) are split
+  over the data axes; everything else is replicated.
+  """
+  rows = P(None, *layout.spec()) if scan else layout.spec()
+  split, whole = layout.spec(), P()
+
+  def one(x: Any) -> Any:  # This replica's slice of a leading replica axis.
+    return jax.tree.map(lambda a: a[0], x)
+
+  def stack(x: Any, axis: int = 0) -> Any:  # Gains a replica axis.
+    return jax.tree.map(lambda a: jnp.expand_dims(a, axis), x)
+
+  def accumulate_here(params: Any, acc: Any, counters: Any, batch: Any, rng: Any):
+    acc, counters, loss, grad_norm, aux = bodies.accumulate(
+      params, one(acc), counters, batch, rng
+    )
+    return stack(acc), counters, loss, grad_norm, stack(aux)
+
+  def update_here(
+    params: Any, inner: Any, acc: Any, counters: Any, batch: Any, rng: Any, *end: Any
+  ) -> Any:
+    update = bodies.scan if scan else bodies.update
+    params, inner, acc, counters, metrics = update(
+      params, inner, one(acc), counters, batch, rng, *end
+    )
+    aux = metrics.pop("aux", None)
+    return params, inner, stack(acc), counters, metrics, stack(aux, int(scan))
+
+  def program(fn: Any, in_specs: Any, out_specs: Any, donated: Any) -> Any:
+    mapped = jax.shard_map(
+      fn,
+      mesh=layout.mesh,
+      in_specs=in_specs,
+      out_specs=out_specs,
+      axis_names=set(layout.axes),
+    )
+    return jax.jit(mapped, donate_argnums=donated if donate else ())
+
+  accumulate_program = program(
+    accumulate_here,
+    (whole, split, whole, rows, whole),
+    (split, whole, whole, whole, rows),
+    (1,),
+  )
+  end_window = () if scan else (whole,)
+  update_program = program(
+    update_here,
+    (whole, whole, split, whole, rows, whole, *end_window),
+    (whole, whole, split, whole, whole, rows),
+    (0, 1, 2),
+  )
+
+  def with_aux(fn: Any) -> Any:  # aux back into the metrics, where users read it.
+    def run(*args: Any) -> Any:
+      *out, aux = fn(*args)
+      if bodies.has_aux:
+        out[-1] = {**out[-1], "aux": aux}
+      return tuple(out)
+
+    run.lower = fn.lower  # type: ignore[attr-defined]
+    return run
+
+  return accumulate_program, with_aux(update_program)

@@ -1,0 +1,548 @@
+"""``make_train_step``: a jitted accumulation step that always applies its update.
+
+The host side: which compiled program runs for a call
+(:mod:`optax_accum._step._programs` holds their bodies), what the host knows
+about the state it returned last, and the accumulator's layout under plain
+``jit`` with ``axis_name`` (:mod:`optax_accum._step._replicas`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.typing import ArrayLike
+
+from optax_accum._core import _checks, _reduction, _terms
+from optax_accum._core._multi_steps import EveryKSchedule, MultiSteps, MultiStepsState
+from optax_accum._core._reduction import AxisName
+from optax_accum._core._state import check_single_accumulation
+from optax_accum._step._layouts import Layout, Layouts, avals, is_traced
+from optax_accum._step._programs import (
+  Metrics,
+  Programs,
+  counters,
+  joined,
+  learning_rate,
+  metrics,
+  zeros,
+)
+
+Mode = Literal["stream", "scan"]
+StepOutput = tuple[optax.Params, MultiStepsState, Metrics]
+
+
+def _host_int(x: jax.Array) -> int:
+  """A replicated scalar's value, read from this process's own copy."""
+  if getattr(x, "is_fully_addressable", True):
+    return int(jax.device_get(x))
+  return int(np.asarray(x.addressable_shards[0].data))
+
+
+def _unaliased(donated: Any, kept: Any) -> Any:
+  """``donated`` with every array that is used twice replaced by a copy.
+
+  A buffer cannot be donated twice in one call, nor donated and also read as
+  a plain argument (``kept``); a hand-built optimizer state or batch can hold
+  one array in two places.
+  """
+  seen = {id(x) for x in jax.tree.leaves(kept) if isinstance(x, jax.Array)}
+
+  def fresh(x: Any) -> Any:
+    if not isinstance(x, jax.Array):
+      return x
+    if id(x) in seen:
+      return jnp.copy(x)
+    seen.add(id(x))
+    return x
+
+  return jax.tree.map(fresh, donated)
+
+
+def _check_state(opt_state: Any) -> None:
+  if not isinstance(opt_state, MultiStepsState):
+    raise ValueError(
+      "`opt_state` must come from step.init(params) (or optimizer.init(params) "
+      "of the optax_accum.MultiSteps given to make_train_step; in scan mode "
+      "also the inner optimizer's own tx.init(params)), got "
+      f"{type(opt_state).__module__}.{type(opt_state).__qualname__}."
+    )
+
+
+def _check_scan_end_window(end_window: Any) -> None:
+  _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
+  if is_traced(end_window) or bool(end_window):
+    raise ValueError(
+      "`end_window` is for streaming: in scan mode every call ends a window."
+    )
+
+
+_UNKNOWN: Any = object()  # A learning rate not looked up yet.
+
+
+class _Known(NamedTuple):
+  """What the host knows about the optimizer state a step returned last.
+
+  Valid only for a state whose counters are those very array objects: a state
+  the user built, restored or kept from earlier is read from the device.
+  """
+
+  mini_step: jax.Array  # The returned state's counters, compared by identity.
+  gradient_step: jax.Array
+  value: int | None  # Its value; None where counting depends on the data.
+  k: int | None  # The window's length; None where it must be read.
+  params: Any  # Params the update program returned: fresh, unaliased buffers.
+  learning_rate: Any  # The metric (unchanged until the next update), or _UNKNOWN.
+  layout: Layout = None  # Packed, or per-replica partial sums under jit.
+
+  def describes(self, state: MultiStepsState) -> bool:
+    return (
+      state.mini_step is self.mini_step and state.gradient_step is self.gradient_step
+    )
+
+  def counts(self, state: MultiStepsState, optimizer: MultiSteps) -> tuple[int, int]:
+    """The window's micro-batches so far and its length, read from ``state``
+    where not known."""
+    value = _host_int(state.mini_step) if self.value is None else self.value
+    k = self.k if self.k is not None else optimizer.config.constant_k
+    if k is None:
+      k = int(optimizer.k_at(_host_int(state.gradient_step)))
+    return value, max(k, 1)
+
+
+class TrainStep:
+  """The callable that :func:`make_train_step` returns.
+
+  ``step(params, opt_state, batch, rng=None, *, end_window=False)`` returns
+  ``(params, opt_state, metrics)``. In streaming mode one call takes one
+  micro-batch; in scan mode one call takes a whole window, with the
+  micro-batches along the batch's leading axis.
+
+  Streaming runs two programs. ``accumulate_program`` only adds a micro-batch:
+  it reads params and returns only what it changes (the accumulator and the
+  counters), so a micro-step that cannot end a window costs a gradient and an
+  add. ``update_program`` adds and, if the window ends, updates; it runs the
+  inner optimizer in a loop that runs once if the window really ends with
+  positive, finite weight and gradient, and never otherwise: XLA updates
+  params and optimizer state in place. It leaves the window's sum in the
+  accumulator for the next window's first micro-batch to overwrite.
+
+  Which program runs is decided from the optimizer state's own counters, never
+  from a counter of the step's: the step remembers the counter values of the
+  state it returned last (it knows them without reading the device whenever
+  every micro-batch counts), and reads the device only for a state it did not
+  return (the first call, a restored checkpoint, a state kept from earlier),
+  on every call with ``should_skip_update_fn`` (counting depends on the data),
+  and once per window with a callable ``every_k_schedule``. A loop can thus
+  queue step after step without waiting for any of them. Traced inside the
+  caller's own ``jit`` or ``scan``, where the counters cannot be read, the
+  step runs ``update_program`` (correct on any micro-step; the optimizer still
+  runs once per window).
+  """
+
+  def __init__(
+    self,
+    loss_fn: Callable[..., Any],
+    optimizer: MultiSteps,
+    mode: Mode,
+    has_aux: bool,
+    donate: bool,
+  ):
+    self.loss_fn = loss_fn
+    self.optimizer = optimizer
+    self.mode = mode
+    self.has_aux = has_aux
+    self.donate = donate
+    self._bodies = Programs(
+      loss_fn, optimizer, has_aux, _reduction.policy(optimizer.config.axis_name)
+    )
+    # Donated: params, inner optimizer state and accumulator (not the counters).
+    self.update_program = jax.jit(
+      self._bodies.scan if mode == "scan" else self._bodies.update,
+      donate_argnums=(0, 1, 2) if donate else (),
+    )
+    # Donated: the accumulator only. Params are read, not returned.
+    self.accumulate_program = jax.jit(
+      self._bodies.accumulate, donate_argnums=(1,) if donate else ()
+    )
+    self._layouts = Layouts(
+      self._bodies, mode, donate, (self.accumulate_program, self.update_program)
+    )
+    self._known: _Known | None = None
+    # Scan mode with the inner optimizer's own state: per params' shapes, that
+    # state's structure and the counters of an empty window.
+    self._empty: dict[Any, tuple[Any, MultiStepsState]] = {}
+
+  def __call__(
+    self,
+    params: optax.Params,
+    opt_state: MultiStepsState,
+    batch: Any,
+    rng: jax.Array | None = None,
+    *,
+    end_window: ArrayLike = False,
+  ) -> StepOutput:
+    if self.mode == "scan":
+      return self._whole_window(params, opt_state, batch, rng, end_window)
+    _check_state(opt_state)
+    if end_window is not False:  # Checked on every micro-step, not only the last.
+      _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
+    counts = (opt_state.mini_step, opt_state.gradient_step, end_window)
+    if any(isinstance(x, jax.core.Tracer) for x in counts):  # No tree walk.
+      params, opt_state, _ = self._layouts.arranged(params, opt_state, batch)
+      return self._run_update(params, opt_state, batch, rng, end_window)
+    known, params, opt_state, hit = self._recalled(params, opt_state, batch, rng)
+    value, k = known.counts(opt_state, self.optimizer)
+    ends = bool(end_window) or value + 1 >= k
+    if ends:
+      fresh = params is known.params  # Returned by the update program.
+      out = self._run_update(
+        params,
+        opt_state,
+        batch,
+        rng,
+        end_window,
+        check_aliasing=not fresh,
+        layout=known.layout,
+      )
+    else:
+      lr = known.learning_rate
+      lr = jax.tree.map(jnp.copy, learning_rate(opt_state)) if lr is _UNKNOWN else lr
+      known = known._replace(learning_rate=lr)
+      out = self._run_accumulate(
+        params, opt_state, batch, rng, lr, check_aliasing=not hit, layout=known.layout
+      )
+    if not isinstance(out[1].mini_step, jax.core.Tracer):  # Traced params or batch.
+      self._remember(known._replace(value=value, k=k), out, ends)
+    return out
+
+  def _whole_window(
+    self, params: Any, opt_state: Any, batch: Any, rng: Any, end_window: Any
+  ) -> tuple[Any, Any, Metrics]:
+    """Scan mode: a whole window; the optimizer's own state comes back as such."""
+    _check_scan_end_window(end_window)
+    if isinstance(opt_state, MultiStepsState):
+      return self._scanned(params, opt_state, batch, rng)
+    params, state, layout = self._own_window(params, opt_state, batch, rng)
+    params, state, metrics_ = self._run_update(params, state, batch, rng, layout=layout)
+    return params, state.inner_opt_state, metrics_
+
+  def _scanned(
+    self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
+  ) -> StepOutput:
+    """Scan mode on a ``MultiStepsState``: as when streaming, a state the step
+    returned last runs in its layout, unchecked (its buffers are the
+    programs' own); any other is arranged first."""
+    known, params, opt_state, _ = self._recalled(params, opt_state, batch, rng)
+    fresh = params is known.params  # Returned by the last call.
+    out = self._run_update(
+      params, opt_state, batch, rng, check_aliasing=not fresh, layout=known.layout
+    )
+    if not isinstance(out[1].mini_step, jax.core.Tracer):
+      self._remember(known, out, ends=True)
+    return out
+
+  def _own_window(
+    self, params: Any, inner: Any, batch: Any, rng: Any
+  ) -> tuple[Any, MultiStepsState, Layout]:
+    """The inner optimizer's own state in an empty window, arranged, and its
+    layout. Where the call runs on one sum the window's sums live only inside
+    the program (``Programs.scan``): the state has ``None`` for them."""
+    if self._layouts.on_one_sum(params, inner, batch):
+      return params, self._around(params, inner, sums=False), None
+    state = self._around(params, inner, sums=True)
+    return self._layouts.arranged(params, state, batch, rng)
+
+  def _around(self, params: Any, inner: Any, sums: bool) -> MultiStepsState:
+    """The inner optimizer's own state (``tx.init(params)``) in an empty window,
+    with its sums (zeros) or ``None`` for them.
+
+    In scan mode every call is a whole window: nothing else needs to persist.
+    """
+    key = avals(params)
+    if key not in self._empty:
+      inner_shapes = jax.eval_shape(self.optimizer.inner_opt.init, params)
+      shapes = counters(jax.eval_shape(self.optimizer.init, params))
+      with jax.ensure_compile_time_eval():  # Arrays, even in the user's jit.
+        empty = zeros(shapes)
+      self._empty[key] = jax.tree.structure(inner_shapes), empty
+    expected, empty = self._empty[key]  # Counters: read, never donated.
+    if jax.tree.structure(inner) != expected:
+      _check_state(inner)  # Raises: neither a MultiStepsState nor the inner one.
+    check_single_accumulation(inner)
+    if not sums:
+      return empty._replace(inner_opt_state=inner)
+    config = self.optimizer.config
+    window = _terms.empty(params, config.accumulator_dtype, len(config.terms or ()))
+    return empty._replace(**window._asdict(), inner_opt_state=inner)
+
+  def _recalled(
+    self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
+  ) -> tuple[_Known, Any, MultiStepsState, bool]:
+    """What the host knows of ``opt_state`` (read from the device where not),
+    params and the state as this call runs with them, and whether the step
+    returned the state last."""
+    known = self._known
+    hit = known is not None and known.describes(opt_state)
+    if known is None or not hit:
+      params, opt_state, layout = self._layouts.arranged(params, opt_state, batch, rng)
+      known = _Known(
+        opt_state.mini_step, opt_state.gradient_step, None, None, None, _UNKNOWN, layout
+      )
+    return known, params, opt_state, hit
+
+  def _remember(self, known: _Known, out: StepOutput, ends: bool) -> None:
+    """Keeps what the host knows of the state this call returns (``known``:
+    of the state it was called with, its counts filled in)."""
+    params, opt_state, metrics_ = out
+    config = self.optimizer.config
+    value = 0 if ends else (known.value or 0) + 1
+    self._known = known._replace(
+      mini_step=opt_state.mini_step,
+      gradient_step=opt_state.gradient_step,
+      value=value if config.counts_every_micro_batch else None,
+      k=None if ends and config.constant_k is None else known.k,
+      params=params if ends else known.params,
+      learning_rate=metrics_.get("learning_rate") if ends else known.learning_rate,
+    )
+
+  def init(self, params: optax.Params) -> MultiStepsState:
+    """The optimizer state to start a run from: ``self.optimizer.init(params)``."""
+    return self.optimizer.init(params)
+
+  def lower(
+    self,
+    params: optax.Params,
+    opt_state: MultiStepsState,
+    batch: Any,
+    rng: jax.Array | None = None,
+    *,
+    program: Literal["accumulate", "update"] = "update",
+  ) -> jax.stages.Lowered:
+    """Lowers one of the step's programs for these arguments, without running it.
+
+    For XLA's analyses (``.compile().memory_analysis()``, ``cost_analysis()``,
+    ``as_text()``). ``"update"`` is the program that can end a window (in
+    scan mode, the whole window's program); ``"accumulate"`` the streaming
+    program for micro-steps that cannot.
+    """
+    if self.mode == "scan" and not isinstance(opt_state, MultiStepsState):
+      params, opt_state, layout = self._own_window(params, opt_state, batch, rng)
+    else:
+      params, opt_state, layout = self._layouts.arranged(params, opt_state, batch, rng)
+    accumulate_program, update_program = self._layouts.programs(layout)
+    split = (opt_state.inner_opt_state, opt_state.acc_grads, counters(opt_state))
+    if program == "accumulate" and self.mode == "stream":
+      return accumulate_program.lower(params, *split[1:], batch, rng)
+    if program != "update":
+      raise ValueError(
+        f"`program` must be 'update' or, in streaming mode, 'accumulate'; got "
+        f"{program!r}."
+      )
+    if self.mode == "scan":
+      return update_program.lower(params, *split, batch, rng)
+    return update_program.lower(params, *split, batch, rng, False)
+
+  # -- calling the programs ------------------------------------------------
+
+  def _run_update(
+    self,
+    params: Any,
+    opt_state: MultiStepsState,
+    batch: Any,
+    rng: Any,
+    *end_window: Any,
+    check_aliasing: bool = True,
+    layout: Layout = None,
+  ) -> StepOutput:
+    if self.donate and check_aliasing and not is_traced(params, opt_state):
+      params, opt_state = _unaliased((params, opt_state), (batch, rng))
+    params, inner, acc, counters_, metrics_ = self._layouts.programs(layout)[1](
+      params,
+      opt_state.inner_opt_state,
+      opt_state.acc_grads,
+      counters(opt_state),
+      batch,
+      rng,
+      *end_window,
+    )
+    return params, joined(counters_, inner, acc), metrics_
+
+  def _run_accumulate(
+    self,
+    params: Any,
+    opt_state: MultiStepsState,
+    batch: Any,
+    rng: Any,
+    learning_rate: jax.Array | None,
+    check_aliasing: bool = True,
+    layout: Layout = None,
+  ) -> StepOutput:
+    acc = opt_state.acc_grads
+    if self.donate and check_aliasing and not is_traced(params, acc):
+      acc = _unaliased(acc, (params, opt_state.inner_opt_state, batch, rng))
+    acc, counters_, loss, grad_norm, aux = self._layouts.programs(layout)[0](
+      params, acc, counters(opt_state), batch, rng
+    )
+    state = joined(counters_, opt_state.inner_opt_state, acc)
+    # The counters are never donated: the metrics can share them.
+    out = metrics(
+      state, state, loss, grad_norm, learning_rate, self._bodies.config.terms
+    )
+    if self.has_aux:
+      out["aux"] = aux
+    return params, state, out
+
+
+def _accumulator(
+  optimizer: Any, mode: Mode, every_k_schedule: EveryKSchedule | None
+) -> MultiSteps:
+  """``optimizer`` as the :class:`MultiSteps` a train step runs."""
+  if isinstance(optimizer, MultiSteps):
+    if every_k_schedule is not None:
+      raise ValueError(
+        "`every_k_schedule` is for a plain optax optimizer: this "
+        "optax_accum.MultiSteps has its own."
+      )
+    return optimizer
+  if not isinstance(optimizer, optax.GradientTransformation):
+    raise ValueError(
+      "`optimizer` must be an optax_accum.MultiSteps or an optax "
+      "GradientTransformation, got "
+      f"{type(optimizer).__module__.partition('.')[0]}."
+      f"{type(optimizer).__qualname__}: wrap your optimizer `opt` as optax_accum."
+      "MultiSteps(opt, every_k_schedule=k) (it takes optax.MultiSteps' "
+      "arguments, so it replaces one as it is)."
+    )
+  if mode == "scan":
+    if every_k_schedule is not None:
+      raise ValueError(
+        "`every_k_schedule` has no effect in scan mode: the batch's leading "
+        "micro-batch axis is the window."
+      )
+    every_k_schedule = 1  # Never read: every scan-mode call ends its window.
+  elif every_k_schedule is None:
+    raise ValueError(
+      "`optimizer` must be an optax_accum.MultiSteps in streaming mode unless "
+      "`every_k_schedule=` says how many micro-batches make a window; got "
+      f"{type(optimizer).__qualname__} and no every_k_schedule. Pass "
+      "every_k_schedule=k (or 'end_window' when your loop ends every window "
+      "with end_window=True), or use mode='scan', where the batch's leading "
+      "axis is the window."
+    )
+  return MultiSteps(optimizer, every_k_schedule)
+
+
+def make_train_step(
+  loss_fn: Callable[..., Any],
+  optimizer: MultiSteps | optax.GradientTransformation,
+  *,
+  mode: Mode = "stream",
+  has_aux: bool = False,
+  donate: bool = True,
+  axis_name: AxisName | None = None,
+  every_k_schedule: EveryKSchedule | None = None,
+) -> TrainStep:
+  """Builds a jitted train step that accumulates and always applies its update.
+
+  ``step(params, opt_state, batch, rng=None, *, end_window=False) -> (params,
+  opt_state, metrics)``
+  is the only function a training loop needs: every call applies the update
+  it computes (zeros inside a window), so params cannot silently stop moving
+  while the optimizer state advances (F7), and nothing but the optimizer state
+  decides where a window ends.
+
+  - ``mode="stream"``: one call per micro-batch. ``end_window=True`` ends a
+    window early (the last partial window of an epoch).
+  - ``mode="scan"``: ``batch`` carries a leading axis of micro-batches (see
+    :func:`split_micro_batches`); ``jax.lax.scan`` accumulates them and the
+    optimizer runs once. The leading axis, not ``every_k_schedule``, sets the
+    window; an unfinished streamed window in ``opt_state`` joins it.
+
+  ``metrics`` holds ``loss`` (token-weighted mean loss of the window so far, or
+  of the window just completed: :meth:`MultiSteps.window_loss`), ``weight``
+  (its total weight), ``micro_steps``, ``updated``, ``update_count``,
+  ``grad_norm`` (global norm of the gradient applied, 0 when none), the run's
+  ``skipped_micro_batches`` and ``skipped_windows`` (see
+  :class:`optax_accum.MultiStepsState`), ``learning_rate`` when the optimizer
+  injects one (a dict by group label when several groups do: see
+  :func:`get_hyperparams`), and ``aux`` with ``has_aux=True`` (stacked in scan
+  mode).
+
+  ``optimizer`` can be a plain optax optimizer: in scan mode as it is, in
+  streaming mode with ``every_k_schedule=``. The step then wraps it as
+  ``optax_accum.MultiSteps(optimizer, every_k_schedule)`` (``step.optimizer``)
+  and ``step.init(params)`` makes the state to start from.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> (loss, weight)``, or ``(loss, (weight,
+      aux))`` with ``has_aux=True``; with an ``rng`` passed to the step it is
+      called as ``loss_fn(params, batch, key)`` with a key per micro-batch.
+      ``loss`` is reduced as the optimizer's ``grad_reduction`` says (mean or
+      sum over the micro-batch's ``weight`` items).
+    optimizer: An :class:`optax_accum.MultiSteps`, or a plain optax
+      ``GradientTransformation`` (see above).
+    mode: ``"stream"`` (default) or ``"scan"``.
+    has_aux: Whether ``loss_fn`` returns auxiliary outputs.
+    donate: Donate ``params`` and ``opt_state`` buffers to the step (default).
+    axis_name: The data-parallel mesh axis (or axes): each replica's loss is
+      over its own rows and the step sums weights and gradients over the
+      replicas. Inside ``shard_map`` or ``pmap`` it is required, and scan mode
+      sums the gradients once per window (streaming, once per micro-batch).
+      Under plain ``jit`` with a batch split over this axis it is optional:
+      with it the step runs its programs in a ``shard_map`` over the axis and
+      sums gradients once per window, in both modes (``opt_state.acc_grads``
+      then holds each replica's partial sum, with a leading axis of replicas;
+      ``aux`` gains a replica axis, after the micro-batch axis in scan mode);
+      without it XLA sums every micro-batch's gradient. Each replica's
+      ``loss_fn`` gets its own key, ``fold_in(key, replica)``.
+    every_k_schedule: With a plain optax optimizer in streaming mode: the
+      micro-batches per window, as :class:`MultiSteps` takes it
+      (``"end_window"``: every window ends on ``end_window=True``). An error
+      with a ``MultiSteps`` (it has its own) and in scan mode (the leading
+      axis is the window).
+
+  Returns:
+    A :class:`TrainStep`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, optax_accum
+    >>> def loss_fn(params, batch):
+    ...   n = batch["mask"].sum()
+    ...   return (batch["mask"] * (params - batch["y"]) ** 2).sum() / n, n
+    >>> opt = optax_accum.MultiSteps(optax.sgd(0.5), every_k_schedule=2)
+    >>> step = optax_accum.make_train_step(loss_fn, opt)
+    >>> params = jnp.zeros(())
+    >>> state = opt.init(params)
+    >>> batches = [{"y": jnp.array([1.0, 9.0]), "mask": jnp.array([1.0, 0.0])},
+    ...            {"y": jnp.array([3.0, 3.0]), "mask": jnp.array([1.0, 1.0])}]
+    >>> for batch in batches:
+    ...   params, state, metrics = step(params, state, batch)
+    >>> float(params), float(metrics["loss"]), bool(metrics["updated"])
+    (2.3333..., 6.3333..., True)
+
+    A plain optax optimizer in scan mode, a window of two micro-batches per
+    call:
+
+    >>> step = optax_accum.make_train_step(loss_fn, optax.sgd(0.5), mode="scan")
+    >>> params = jnp.zeros(())
+    >>> window = jax.tree.map(lambda *x: jnp.stack(x), *batches)
+    >>> params, state, metrics = step(params, step.init(params), window)
+    >>> float(params), int(metrics["update_count"])
+    (2.3333..., 1)
+  """
+  optimizer = _accumulator(optimizer, mode, every_k_schedule)
+  if axis_name is not None:
+    if optimizer.axis_name not in (None, axis_name):
+      raise ValueError(
+        f"`axis_name` {axis_name!r} differs from the optimizer's "
+        f"{optimizer.axis_name!r}."
+      )
+    optimizer = optimizer.replace(axis_name=axis_name)
+  _checks.one_of(mode, ("stream", "scan"), name="mode")
+  _checks.callable_arg(loss_fn, name="loss_fn")
+  return TrainStep(loss_fn, optimizer, mode, bool(has_aux), bool(donate))
