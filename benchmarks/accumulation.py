@@ -66,6 +66,7 @@ import optax_accum
 # The programs' calling convention is internal: the helper that builds their
 # counters argument is imported rather than copied.
 from optax_accum._step._programs import counters as _counters
+from optax_accum._step._signature import Inputs, Outputs
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 #: A variant may beat its lower bound by this much (timer noise), not more.
@@ -288,6 +289,10 @@ def _analysis(lowered: Any) -> dict[str, float]:
   }
 
 
+def _acc_and_counters(out: Outputs) -> tuple[Any, Any]:
+  return out.acc, out.counters
+
+
 class _Carry:
   """A jitted function called in a loop, each call's outputs the next's inputs."""
 
@@ -473,8 +478,8 @@ def bench_model(
   )
   results["stream_update"] = _analysis(step.lower(params0, state0, micro))
   program_run = _Carry(
-    lambda acc, counters, params, batch: step.accumulate_program(
-      params, acc, counters, batch, None
+    lambda acc, counters, params, batch: _acc_and_counters(
+      step.accumulate_program(Inputs(params, None, acc, counters, batch, None))
     ),
     [_copy(state0.acc_grads), _counters(state0)],
     params0,

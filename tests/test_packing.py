@@ -22,6 +22,7 @@ import optax_accum
 from benchmarks import accumulation
 from optax_accum._step import _packing
 from optax_accum._step._programs import counters as _counters
+from optax_accum._step._signature import Inputs
 
 K = 4
 CHECKPOINTING = pathlib.Path(__file__).parent.parent / "docs" / "checkpointing.md"
@@ -122,11 +123,13 @@ def test_a_packed_window_ends_in_two_programs_within_the_merged_ones_memory():
   assert isinstance(update, _packing.PackedUpdate)
   assert update.accumulate is accumulate
   inner, acc, counters = state.inner_opt_state, state.acc_grads, _counters(state)
-  merged = _peak(update.lower(params, inner, acc, counters, batch, None, False))
+  inputs = Inputs(params, inner, acc, counters, batch, None, False)
+  merged = _peak(update.lower(inputs))
   resident = sum(x.nbytes for x in jax.tree.leaves(inner))
-  accumulating = _peak(accumulate.lower(params, acc, counters, batch, None))
+  accumulating = _peak(accumulate.lower(inputs._replace(inner=None, end_window=None)))
   assert accumulating + resident <= merged
-  assert _peak(update.finish.lower(params, inner, acc, counters, None, False)) <= merged
+  finishing = inputs._replace(batch=None)
+  assert _peak(update.finish.lower(finishing)) <= merged
 
 
 def _peak(lowered) -> int:

@@ -245,13 +245,13 @@ class MultiSteps:
       (0.0, 2.5)
     """
     shares = self.config.grad_reduction == "window_mean"
-    return _terms.mean_loss(window_of(state), shares=shares)
+    return _terms.mean_loss(window_of(self.config, state), shares=shares)
 
   def init(self, params: optax.Params) -> MultiStepsState:
     """Returns the state for a fresh run: an empty window and no updates."""
     _checks.check_inexact_leaves(params, name="params")
-    terms = len(self.config.terms or ())
-    window = _terms.empty(params, self.config.accumulator_dtype, terms)
+    config = self.config
+    window = _terms.empty(params, config.accumulator_dtype, config.terms)
     gradient_step = jnp.zeros([], jnp.int32)
     skip_state: Any = ()
     if self.config.should_skip_update_fn is not None:
@@ -261,7 +261,7 @@ class MultiSteps:
     check_single_accumulation(inner_opt_state)
     count, weight = jnp.int32, _terms.weight(window).dtype  # A buffer per field:
     return MultiStepsState(  # a state is donated leaf by leaf.
-      **window._asdict(),
+      **_terms.joined(window, config.terms)._asdict(),
       gradient_step=gradient_step,
       inner_opt_state=inner_opt_state,
       updated=jnp.zeros([], jnp.bool_),
@@ -299,8 +299,8 @@ class MultiSteps:
       loss: Optional loss of the micro-batch, reduced like its gradient; the
         state's ``acc_loss`` then sums it into the window's loss, the inner
         optimizer gets that loss (:meth:`window_loss`) as the extra argument
-        ``value`` (what ``optax.contrib.reduce_on_plateau`` reads) unless it
-        refuses it, and ``last_window_loss`` keeps it after the window ends.
+        ``value`` (what ``optax.contrib.reduce_on_plateau`` reads), and
+        ``last_window_loss`` keeps it after the window ends.
       **extra_args: Forwarded to the inner optimizer's update.
 
     Returns:
@@ -313,16 +313,17 @@ class MultiSteps:
       self.config, state, updates, params, weight=weight, loss=loss, reduction=reduction
     )
     ends = window_ends(self.config, added, counted, end_window)
-    optional = {} if loss is None else {"value": self.window_loss(added)}
+    if loss is not None:
+      extra_args = {**extra_args, "value": self.window_loss(added)}
 
     terms = self.config.terms
     like = updates if terms is None else by_term(terms, updates, "updates")[0]
 
     def finish() -> tuple[Any, Any, jax.Array]:
-      window = window_of(added)
+      window = window_of(self.config, added)
       grads, squares = _terms.finish(window, like, self.config.divides)
       finite = ~reduction.any(_terms.nonfinite(window, squares), added.acc_weight)
-      new, inner = run_inner(self._opt, grads, added, params, extra_args, optional)
+      new, inner = run_inner(self.config, self._opt, grads, added, params, extra_args)
       new = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new)
       old = added.inner_opt_state
       inner = jax.tree.map(lambda n, o: jnp.where(finite, n, o), inner, old)
@@ -334,9 +335,10 @@ class MultiSteps:
       unchanged = jax.tree.map(typed_like, added.inner_opt_state, inner)
       return zeros, unchanged, typed_like(jnp.array(False), finite)
 
-    positive = ends & _terms.has_weight(window_of(added))
+    positive = ends & _terms.has_weight(window_of(self.config, added))
     new_updates, inner, finite = jax.lax.cond(positive, finish, hold)
     new_state = closed(
+      self.config,
       added,
       ends,
       positive & ~finite,

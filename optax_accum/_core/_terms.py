@@ -6,11 +6,12 @@ each term's weighted mean over the whole window: ``sum_t A_t / W_t``, with
 ``A_t`` the running sum of ``weight_t * grad_t`` and ``W_t`` of ``weight_t``.
 No ``W_t`` is known before the window ends, so each term keeps its own sum.
 
-A window of terms is a :class:`~optax_accum._core._window.Window` whose
-``acc_grads``, ``acc_weight`` and ``acc_loss`` are tuples, one entry per term
-in the order the terms were declared; a plain window is the case of one term
-without the tuple. Every function here takes either, and on a plain window
-does exactly what :mod:`optax_accum._core._window` does.
+A window here is a tuple of :class:`~optax_accum._core._window.Window`, one per
+term in the order the terms were declared; a plain window is a window of one
+term. Every function takes such a tuple and no caller asks how many terms it
+holds. :func:`split` and :func:`joined` convert from and to the state's
+fields, where a plain window keeps the params' structure and a window of terms
+holds tuples; the terms' names (``MultiStepsConfig.terms``) decide which.
 
 Examples:
   Two terms: a token mean over 1 then 3 tokens, and a per-micro-batch term
@@ -19,11 +20,11 @@ Examples:
   >>> import jax.numpy as jnp
   >>> from optax_accum._core import _reduction, _terms
   >>> local = _reduction.Local()
-  >>> window = _terms.empty(jnp.zeros(()), terms=2)
+  >>> window = _terms.empty(jnp.zeros(()), terms=("tokens", "aux"))
   >>> for tokens_grad, tokens, aux_grad in [(1.0, 1.0, 10.0), (3.0, 3.0, 20.0)]:
   ...   grads, weights = (tokens_grad, aux_grad), (tokens, 1.0)
-  ...   kept = _terms.admit(window, grads, None, weights, reduction=local)
-  ...   window = _terms.add(window, grads, None, kept, reduction=local)
+  ...   kept = _terms.admit(window, grads, (None, None), weights, reduction=local)
+  ...   window = _terms.add(window, grads, (None, None), kept, reduction=local)
   >>> grad, squares = _terms.finish(window, jnp.zeros(()))
   >>> float(grad)  # (1 * 1 + 3 * 3) / 4 + (10 + 20) / 2
   17.5
@@ -40,70 +41,61 @@ from jax.typing import ArrayLike, DTypeLike
 from optax_accum._core import _window
 from optax_accum._core._window import Admission, Window
 
-
-def is_terms(window: Window) -> bool:
-  """Whether ``window`` holds several terms (tuple sums) or one."""
-  return isinstance(window.acc_weight, tuple)
-
-
-def parts(window: Window) -> tuple[Window, ...]:
-  """One plain window per term (``(window,)`` for a plain window)."""
-  if not is_terms(window):
-    return (window,)
-  return tuple(
-    Window(window.mini_step, g, w, loss)
-    for g, w, loss in zip(
-      window.acc_grads, window.acc_weight, window.acc_loss, strict=True
-    )
-  )
+#: A window of one or more terms, one plain window each.
+Terms = tuple[Window, ...]
+Names = tuple[str, ...] | None
 
 
-def _joined(parts_: tuple[Window, ...]) -> Window:
-  return Window(
-    parts_[0].mini_step,
-    tuple(p.acc_grads for p in parts_),
-    tuple(p.acc_weight for p in parts_),
-    tuple(p.acc_loss for p in parts_),
-  )
+def per_term(stored: Any, names: Names) -> tuple[Any, ...]:
+  """A field of a state's window (``acc_grads``, ``acc_weight``,
+  ``acc_loss``), one entry per term: a tuple with loss terms ``names``, the
+  value of the one term without."""
+  return (stored,) if names is None else tuple(stored)
 
 
-def empty(params: Any, dtype: DTypeLike | None = None, terms: int = 0) -> Window:
-  """An empty window for ``params``: plain (``terms=0``) or of ``terms`` terms,
+def stored(entries: tuple[Any, ...], names: Names) -> Any:
+  """The inverse of :func:`per_term`."""
+  return entries[0] if names is None else tuple(entries)
+
+
+def split(window: Window, names: Names) -> Terms:
+  """A window stored as a state's fields, one window per term."""
+  fields = (per_term(f, names) for f in window[1:])
+  return tuple(Window(window.mini_step, *f) for f in zip(*fields, strict=True))
+
+
+def joined(window: Terms, names: Names) -> Window:
+  """The inverse of :func:`split`: ``window`` as a state's fields."""
+  fields = (stored(f, names) for f in list(zip(*window, strict=True))[1:])
+  return Window(window[0].mini_step, *fields)
+
+
+def empty(params: Any, dtype: DTypeLike | None = None, terms: Names = None) -> Terms:
+  """An empty window for ``params``: one term, or one per name in ``terms``,
   each with its own buffers."""
-  if not terms:
-    return _window.empty(params, dtype)
-  return _joined(tuple(_window.empty(params, dtype) for _ in range(terms)))
+  return tuple(_window.empty(params, dtype) for _ in terms or (None,))
 
 
 def admit(
-  window: Window,
-  grads: Any,
-  loss: Any,
-  weight: Any,
+  window: Terms,
+  grads: tuple[Any, ...],
+  loss: tuple[Any, ...],
+  weight: tuple[Any, ...],
   *,
   reduction: Any,
   counted: ArrayLike = True,
   drop_nonfinite: bool = False,
-) -> Admission | tuple[Admission, ...]:
+) -> tuple[Admission, ...]:
   """:func:`~optax_accum._core._window.admit` for each term; a micro-batch is one
   unit: a bad weight (or, with ``drop_nonfinite``, a non-finite gradient or
   loss) in any term drops all of its terms."""
-  if not is_terms(window):
-    return _window.admit(
-      window,
-      grads,
-      loss,
-      weight,
-      reduction=reduction,
-      counted=counted,
-      drop_nonfinite=drop_nonfinite,
-    )
-  losses = (None,) * len(grads) if loss is None else loss
   policy = dict(reduction=reduction, counted=counted, drop_nonfinite=drop_nonfinite)
-  each = [
+  each = tuple(
     _window.admit(part, g, value, w, **policy)
-    for part, g, value, w in zip(parts(window), grads, losses, weight, strict=True)
-  ]
+    for part, g, value, w in zip(window, grads, loss, weight, strict=True)
+  )
+  if len(each) == 1:
+    return each
   dropped = jnp.any(jnp.stack([a.dropped for a in each]))
   return tuple(
     Admission(
@@ -116,100 +108,101 @@ def admit(
   )
 
 
-def dropped(kept: Admission | tuple[Admission, ...]) -> jax.Array:
+def dropped(kept: tuple[Admission, ...]) -> jax.Array:
   """Whether the micro-batch was dropped (by its weight or its values)."""
-  return kept.dropped if isinstance(kept, Admission) else kept[0].dropped
+  return kept[0].dropped
 
 
 def add(
-  window: Window,
-  grads: Any,
-  loss: Any,
-  kept: Any,
+  window: Terms,
+  grads: tuple[Any, ...],
+  loss: tuple[Any, ...],
+  kept: tuple[Admission, ...],
   *,
   reduction: Any,
   weigh: bool = True,
-) -> Window:
+) -> Terms:
   """``window`` with an admitted micro-batch added, term by term."""
-  if not is_terms(window):
-    return _window.add(window, grads, loss, kept, reduction=reduction, weigh=weigh)
-  losses = (None,) * len(grads) if loss is None else loss
-  return _joined(
-    tuple(
-      _window.add(part, g, value, k, reduction=reduction, weigh=weigh)
-      for part, g, value, k in zip(parts(window), grads, losses, kept, strict=True)
-    )
+  return tuple(
+    _window.add(part, g, value, k, reduction=reduction, weigh=weigh)
+    for part, g, value, k in zip(window, grads, loss, kept, strict=True)
   )
 
 
-def gradient(window: Window, grads_like: Any, divide: bool = True) -> Any:
-  """The window's gradient, ``sum_t A_t / W_t``: a term of weight 0 adds
-  nothing (see :func:`~optax_accum._core._window.gradient`)."""
-  if not is_terms(window):
-    return _window.gradient(window, grads_like, divide)
+def spoil(window: Terms, where: ArrayLike) -> Terms:
+  """Every term's sum NaN where ``where`` (see
+  :func:`~optax_accum._core._window.spoil`)."""
+  return tuple(_window.spoil(part, where) for part in window)
+
+
+def gradient(window: Terms, like: Any, divide: bool = True) -> Any:
+  """The window's gradient, ``sum_t A_t / W_t``, cast to the dtypes of
+  ``like``'s leaves: a term of weight 0 adds nothing (see
+  :func:`~optax_accum._core._window.gradient`). One term's weight is the
+  window's, so its gradient is the term's own."""
+  if len(window) == 1:
+    return _window.gradient(window[0], like, divide)
   total = None
-  for part in parts(window):
+  for part in window:
     some = part.acc_weight > 0
     grad = jax.tree.map(
       lambda g, some=some: jnp.where(some, g, jnp.zeros_like(g)),
-      _window.gradient(part, grads_like, divide),
+      _window.gradient(part, like, divide),
     )
     total = grad if total is None else jax.tree.map(jnp.add, total, grad)
   return total
 
 
-def squares(window: Window, grads_like: Any, divide: bool = True) -> jax.Array:
+def squares(window: Terms, like: Any, divide: bool = True) -> jax.Array:
   """The squared norm of :func:`gradient` (see
   :func:`~optax_accum._core._window.squares`)."""
-  if not is_terms(window):
-    return _window.squares(window, grads_like, divide)
-  one = jnp.ones([], window.acc_weight[0].dtype)
-  total = gradient(window, grads_like, divide)
-  return _window.squares(Window(window.mini_step, total, one, one), grads_like, False)
+  if len(window) == 1:
+    return _window.squares(window[0], like, divide)
+  one = jnp.ones([], window[0].acc_weight.dtype)
+  total = gradient(window, like, divide)
+  return _window.squares(Window(window[0].mini_step, total, one, one), like, False)
 
 
-def finish(
-  window: Window, grads_like: Any, divide: bool = True
-) -> tuple[Any, jax.Array]:
+def finish(window: Terms, like: Any, divide: bool = True) -> tuple[Any, jax.Array]:
   """The window's gradient and its squared norm."""
-  if not is_terms(window):
-    return _window.finish(window, grads_like, divide)
-  return gradient(window, grads_like, divide), squares(window, grads_like, divide)
+  return gradient(window, like, divide), squares(window, like, divide)
 
 
-def nonfinite(window: Window, squares: jax.Array) -> jax.Array:
+def nonfinite(window: Terms, squares: jax.Array) -> jax.Array:
   """Whether the window's gradient, losses or weights hold a NaN or an inf."""
-  return _window.nonfinite(window, squares)
+  losses, weights = (
+    tuple(p.acc_loss for p in window),
+    tuple(p.acc_weight for p in window),
+  )
+  return jnp.isnan(squares) | ~_window.all_finite(losses, weights)
 
 
-def reset(window: Window, ends: ArrayLike, keep_sum: bool = False) -> Window:
+def reset(window: Terms, ends: ArrayLike) -> Terms:
   """An empty window where ``ends`` (see :func:`~optax_accum._core._window.reset`)."""
-  if not is_terms(window):
-    return _window.reset(window, ends, keep_sum)
-  return _joined(tuple(_window.reset(p, ends, keep_sum) for p in parts(window)))
+  return tuple(_window.reset(part, ends) for part in window)
 
 
-def has_weight(window: Window) -> jax.Array:
+def has_weight(window: Terms) -> jax.Array:
   """Whether any term has positive weight: the window can apply an update."""
-  if not is_terms(window):
-    return window.acc_weight > 0
-  return jnp.any(jnp.stack([p.acc_weight > 0 for p in parts(window)]))
+  if len(window) == 1:
+    return window[0].acc_weight > 0
+  return jnp.any(jnp.stack([p.acc_weight > 0 for p in window]))
 
 
-def weight(window: Window) -> jax.Array:
+def weight(window: Terms) -> jax.Array:
   """The window's weight: its first term's (what schedules in items count)."""
-  return parts(window)[0].acc_weight
+  return window[0].acc_weight
 
 
-def mean_loss(window: Window, shares: bool = False) -> jax.Array:
+def mean_loss(window: Terms, shares: bool = False) -> jax.Array:
   """The objective so far: the sum of each term's weighted mean loss."""
-  means = [_window.mean_loss(p, shares) for p in parts(window)]
-  return means[0] if len(means) == 1 else sum(means[1:], means[0])
+  means = [_window.mean_loss(p, shares) for p in window]
+  return sum(means[1:], means[0])
 
 
-def term_metrics(window: Window, names: tuple[str, ...]) -> dict[str, Any]:
+def term_metrics(window: Terms, names: tuple[str, ...]) -> dict[str, Any]:
   """Each term's mean loss and total weight so far, by name."""
   return {
     name: {"loss": _window.mean_loss(part), "weight": part.acc_weight}
-    for name, part in zip(names, parts(window), strict=True)
+    for name, part in zip(names, window, strict=True)
   }

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from optax_accum._core import _checks, _reduction, _terms, _window
+from optax_accum._core import _checks, _hyperparams, _reduction, _terms, _window
 from optax_accum._core._state import (
   WINDOW_MICRO_STEPS,
   WINDOW_WEIGHT,
@@ -23,12 +23,26 @@ from optax_accum._core._state import (
   MultiStepsState,
 )
 
+#: The states of optax's line searches, which pass extra arguments to ``value_fn``.
+_LINE_SEARCHES = (
+  optax.ScaleByZoomLinesearchState,
+  optax.ScaleByBacktrackingLinesearchState,
+)
 
-def window_of(state: MultiStepsState) -> _window.Window:
-  """The window in progress of a state."""
-  return _window.Window(
+
+def window_of(config: MultiStepsConfig, state: MultiStepsState) -> _terms.Terms:
+  """The window in progress of a state, one window per loss term."""
+  window = _window.Window(
     state.mini_step, state.acc_grads, state.acc_weight, state.acc_loss
   )
+  return _terms.split(window, config.terms)
+
+
+def with_window(
+  config: MultiStepsConfig, state: MultiStepsState, window: _terms.Terms
+) -> MultiStepsState:
+  """``state`` holding ``window`` (see :func:`window_of`)."""
+  return state._replace(**_terms.joined(window, config.terms)._asdict())
 
 
 def _screened(
@@ -70,8 +84,6 @@ def add_micro_batch(
   ``loss`` are dicts by term name (or tuples in the terms' order)."""
   if config.terms is not None:
     grads = by_term(config.terms, grads, "updates")
-    weight = by_term(config.terms, weight, "weight")
-    loss = None if loss is None else by_term(config.terms, loss, "loss")
   _checks.check_tree_matches(
     grads,
     state.acc_grads,
@@ -79,15 +91,9 @@ def add_micro_batch(
     ref_name="the accumulator (from init(params); a train step's state, "
     "packed or per replica, goes back to that step)",
   )
-  if weight is None:
-    if config.grad_reduction == "sum":
-      raise ValueError(
-        "`weight` is required with grad_reduction='sum': the number of "
-        "items behind each summed-loss gradient normalises the window."
-      )
-    weight = 1
   counted, skip_state = _screened(config, state, grads, params, reduction)
-  window = window_of(state)
+  grads, weight, loss = _per_term(config, grads, weight, loss)
+  window = window_of(config, state)
   drop = config.on_nonfinite == "skip_micro_batch"
   kept = _terms.admit(
     window,
@@ -101,9 +107,8 @@ def add_micro_batch(
   weigh = config.grad_reduction == "mean"
   window = _terms.add(window, grads, loss, kept, reduction=reduction, weigh=weigh)
   if config.grad_reduction == "window_mean":  # Shares of the whole window's mean.
-    window = _window.spoil(window, _terms.dropped(kept))
-  added = state._replace(
-    **window._asdict(),
+    window = _terms.spoil(window, _terms.dropped(kept))
+  added = with_window(config, state, window)._replace(
     updated=jnp.zeros_like(state.updated),
     skipped_micro_batches=_count_if(_terms.dropped(kept), state.skipped_micro_batches),
     skip_state=skip_state,
@@ -112,6 +117,25 @@ def add_micro_batch(
     ),
   )
   return added, counted
+
+
+def _per_term(
+  config: MultiStepsConfig, grads: Any, weight: Any, loss: Any
+) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:
+  """A micro-batch's gradient, weight and loss, one entry per term (one for a
+  plain window); ``grads`` are by term already."""
+  if config.terms is not None:
+    names = config.terms
+    losses = (None,) * len(names) if loss is None else by_term(names, loss, "loss")
+    return grads, by_term(names, weight, "weight"), losses
+  if weight is None:
+    if config.grad_reduction == "sum":
+      raise ValueError(
+        "`weight` is required with grad_reduction='sum': the number of "
+        "items behind each summed-loss gradient normalises the window."
+      )
+    weight = 1
+  return (grads,), (weight,), (loss,)
 
 
 def by_term(names: tuple[str, ...], values: Any, what: str) -> tuple[Any, ...]:
@@ -142,33 +166,27 @@ def window_ends(
 
 
 def run_inner(
+  config: MultiStepsConfig,
   opt: optax.GradientTransformationExtraArgs,
   grads: Any,
   added: MultiStepsState,
   params: Any,
   extra_args: dict[str, Any],
-  optional_args: dict[str, Any],
 ) -> tuple[Any, Any]:
-  """The inner optimizer's update on a window's gradient, given the window's
-  totals as extra arguments; the new inner state keeps the old one's dtypes.
+  """The inner optimizer's update on a window's gradient; the new inner state
+  keeps the old one's dtypes.
 
-  ``optional_args`` (the totals, the window's loss as ``value``) are dropped
-  for an inner optimizer that refuses arguments it does not use: optax's line
-  searches hand every extra argument on to ``value_fn``, and raise a
-  ``TypeError`` naming the ones it did not consume.
+  The window's totals go as the extra arguments ``window_weight`` and
+  ``window_micro_steps``, except to an optimizer that runs a line search
+  (found by its state's type): optax's line searches hand every extra
+  argument on to ``value_fn``, which does not take them.
   """
   inner_state = added.inner_opt_state
-  optional = {
-    WINDOW_WEIGHT: _terms.weight(window_of(added)),
-    WINDOW_MICRO_STEPS: added.mini_step,
-    **optional_args,
-  }
-  try:
-    updates, inner = opt.update(grads, inner_state, params, **extra_args, **optional)
-  except TypeError as e:
-    if not any(name in str(e) for name in optional):
-      raise
-    updates, inner = opt.update(grads, inner_state, params, **extra_args)
+  if not _hyperparams.find_states(inner_state, _LINE_SEARCHES):
+    window = window_of(config, added)
+    totals = {WINDOW_WEIGHT: _terms.weight(window), WINDOW_MICRO_STEPS: added.mini_step}
+    extra_args = {**extra_args, **totals}
+  updates, inner = opt.update(grads, inner_state, params, **extra_args)
   inner = jax.tree.map(
     lambda new, old: jnp.asarray(new).astype(jnp.result_type(old)), inner, inner_state
   )
@@ -176,6 +194,7 @@ def run_inner(
 
 
 def closed(
+  config: MultiStepsConfig,
   added: MultiStepsState,
   ends: jax.Array,
   nonfinite: jax.Array,
@@ -183,20 +202,18 @@ def closed(
   inner_opt_state: Any,
   *,
   divided_loss: jax.Array,
-  keep_sum: bool = False,
 ) -> MultiStepsState:
   """The state after the window's end (where ``ends``), with the new inner
   state; ``divided_loss`` is the window's loss (:meth:`MultiSteps.window_loss`)."""
-  window = _terms.reset(window_of(added), ends, keep_sum=keep_sum)
-  return added._replace(
-    **window._asdict(),
+  window = window_of(config, added)
+  return with_window(config, added, _terms.reset(window, ends))._replace(
     gradient_step=_count_if(applies, added.gradient_step),
     inner_opt_state=inner_opt_state,
     updated=applies,
     skipped_windows=_count_if(nonfinite, added.skipped_windows),
     last_window_loss=_kept_unless(ends, divided_loss, added.last_window_loss),
     last_window_weight=_kept_unless(
-      ends, _terms.weight(window_of(added)), added.last_window_weight
+      ends, _terms.weight(window), added.last_window_weight
     ),
   )
 

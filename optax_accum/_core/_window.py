@@ -245,9 +245,10 @@ def _increment(count: jax.Array) -> jax.Array:
   return jnp.where(count < top, count + 1, count)
 
 
-def gradient(window: Window, grads_like: Any, divide: bool = True) -> Any:
+def gradient(window: Window, like: Any, divide: bool = True) -> Any:
   """The window's gradient: its sum times ``1 / weight`` (if ``divide``),
-  cast to the dtype of each leaf of ``grads_like``.
+  cast to the dtype of each leaf of ``like`` (the params, or the updates
+  :class:`~optax_accum.MultiSteps` was given).
 
   A product with the reciprocal (within 1 ulp of the quotient): XLA fuses it
   into the optimizer's ops, where a quotient gets a buffer.
@@ -260,10 +261,10 @@ def gradient(window: Window, grads_like: Any, divide: bool = True) -> Any:
     product = acc.astype(dtype) * inverse.astype(dtype)
     return product.astype(jnp.result_type(like))
 
-  return jax.tree.map(leaf, window.acc_grads, grads_like)
+  return jax.tree.map(leaf, window.acc_grads, like)
 
 
-def squares(window: Window, grads_like: Any, divide: bool = True) -> jax.Array:
+def squares(window: Window, like: Any, divide: bool = True) -> jax.Array:
   """The squared norm of :func:`gradient`, NaN exactly when an element of it
   is not finite; inf when only the squares overflow.
 
@@ -276,7 +277,7 @@ def squares(window: Window, grads_like: Any, divide: bool = True) -> jax.Array:
   """
   dtype = window.acc_weight.dtype
   total = jnp.zeros([], dtype)
-  for g in jax.tree.leaves(gradient(window, grads_like, divide)):
+  for g in jax.tree.leaves(gradient(window, like, divide)):
     g = jnp.abs(g).astype(dtype)
     total = total + jnp.sum(jnp.square(g) + (g - g))
   return total
@@ -288,27 +289,19 @@ def nonfinite(window: Window, squares: jax.Array) -> jax.Array:
   return jnp.isnan(squares) | ~all_finite(window.acc_loss, window.acc_weight)
 
 
-def finish(
-  window: Window, grads_like: Any, divide: bool = True
-) -> tuple[Any, jax.Array]:
+def finish(window: Window, like: Any, divide: bool = True) -> tuple[Any, jax.Array]:
   """The window's gradient and its squared norm (see :func:`squares`)."""
-  return gradient(window, grads_like, divide), squares(window, grads_like, divide)
+  return gradient(window, like, divide), squares(window, like, divide)
 
 
-def reset(window: Window, ends: ArrayLike, keep_sum: bool = False) -> Window:
-  """An empty window where ``ends``, ``window`` elsewhere. ``keep_sum``
-  leaves the sum in the accumulator for the next window's first micro-batch
-  to overwrite (zeroing it in a program that also reads it makes XLA copy
-  it). A selection, not a product with 0: a NaN never reaches the next window.
-  """
+def reset(window: Window, ends: ArrayLike) -> Window:
+  """An empty window where ``ends``, ``window`` elsewhere. A selection, not a
+  product with 0: a NaN never reaches the next window."""
 
   def zero(x: jax.Array) -> jax.Array:
     return jnp.where(ends, jnp.zeros_like(x), x)
 
-  acc = window.acc_grads if keep_sum else jax.tree.map(zero, window.acc_grads)
-  return Window(
-    zero(window.mini_step), acc, zero(window.acc_weight), zero(window.acc_loss)
-  )
+  return Window(*map(lambda field: jax.tree.map(zero, field), window))
 
 
 def mean_loss(window: Window, shares: bool = False) -> jax.Array:

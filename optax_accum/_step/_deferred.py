@@ -33,6 +33,15 @@ from optax_accum._core._reduction import Deferred
 from optax_accum._core._state import MultiStepsConfig
 from optax_accum._step._programs import Programs
 from optax_accum._step._replicas import DataLayout
+from optax_accum._step._signature import (
+  ACCUMULATE_DONATES,
+  UPDATE_DONATES,
+  Body,
+  Inputs,
+  Outputs,
+  Pair,
+  Program,
+)
 
 
 def candidate(
@@ -77,7 +86,8 @@ def candidate(
 
 def policy(layout: DataLayout) -> Deferred:
   """The reduction policy of a layout whose leaves are chosen."""
-  assert layout.deferred is not None
+  if layout.deferred is None:
+    raise ValueError("A deferred layout's leaves are chosen before its policy.")
   return Deferred(mesh=layout.mesh, over=layout.axes, leaves=layout.deferred)
 
 
@@ -142,33 +152,27 @@ def _local(layout: DataLayout, fn: Callable[..., Any], in_spec: P, out_spec: P) 
   )
 
 
-def accumulate_program(layout: DataLayout, bodies: Programs) -> Callable[..., Any]:
+def accumulate_body(layout: DataLayout, bodies: Programs) -> Body:
   """The streaming accumulate body, the accumulator in its stacked layout."""
-
-  def accumulate(params: Any, acc: Any, counters: Any, batch: Any, rng: Any) -> Any:
-    view = _view(layout, acc)
-    acc, counters, loss, grad_norm, aux = bodies.accumulate(
-      params, view, counters, batch, rng
-    )
-    return _stacked(layout, acc), counters, loss, grad_norm, aux
-
-  return accumulate
+  return _in_layout(layout, bodies.accumulate)
 
 
-def programs(
-  layout: DataLayout, bodies: Programs, *, scan: bool, donate: bool
-) -> tuple[Any, Any]:
+def _in_layout(layout: DataLayout, body: Body) -> Body:
+  """``body`` on the accumulator in its stacked layout, adding to each
+  device's partial sum."""
+
+  def run(inputs: Inputs) -> Outputs:
+    out = body(inputs._replace(acc=_view(layout, inputs.acc)))
+    return out._replace(acc=_stacked(layout, out.acc))
+
+  return run
+
+
+def programs(layout: DataLayout, bodies: Programs, *, scan: bool, donate: bool) -> Pair:
   """The step's accumulate and update programs for a deferred layout."""
-  run = bodies.scan if scan else bodies.update
-
-  def update(params: Any, inner: Any, acc: Any, counters: Any, *rest: Any) -> Any:
-    view = _view(layout, acc)
-    params, inner, acc, counters, metrics = run(params, inner, view, counters, *rest)
-    return params, inner, _stacked(layout, acc), counters, metrics
-
-  return (
-    jax.jit(accumulate_program(layout, bodies), donate_argnums=(1,) if donate else ()),
-    jax.jit(update, donate_argnums=(0, 1, 2) if donate else ()),
+  return Pair(
+    Program(accumulate_body(layout, bodies), ACCUMULATE_DONATES, donate),
+    Program(_in_layout(layout, bodies.updating(scan)), UPDATE_DONATES, donate),
   )
 
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from optax_accum._core import _reduction
+from optax_accum._core import _reduction, _terms
 from optax_accum._core._multi_steps import MultiSteps, MultiStepsState
 from optax_accum._step import _deferred, _packing
 from optax_accum._step._packing import (
@@ -38,6 +38,14 @@ from optax_accum._step._replicas import (
   sharded_programs,
   summed,
 )
+from optax_accum._step._signature import (
+  ACCUMULATE_DONATES,
+  UPDATE_DONATES,
+  Body,
+  Inputs,
+  Pair,
+  Program,
+)
 
 #: Where the accumulator lives for a call: one sum (``None``), packed, or
 #: per-replica partial sums.
@@ -51,18 +59,15 @@ def is_traced(*trees: Any) -> bool:
 class Layouts:
   """A train step's accumulator layouts and the programs for each.
 
-  ``one_sum``: the (accumulate, update) programs of ``bodies`` for a state
-  with one sum.
+  ``one_sum``: the programs of ``bodies`` for a state with one sum.
   """
 
-  def __init__(
-    self, bodies: Programs, mode: str, donate: bool, one_sum: tuple[Any, Any]
-  ):
+  def __init__(self, bodies: Programs, mode: str, donate: bool, one_sum: Pair):
     self.bodies = bodies
     self.mode = mode
     self.donate = donate
     self.one_sum = one_sum
-    self._built: dict[DataLayout | Packing, tuple[Any, Any]] = {}
+    self._built: dict[DataLayout | Packing, Pair] = {}
     self._chosen: dict[Any, DataLayout | None] = {}
     self._packings: dict[Any, Packing | None] = {}
 
@@ -108,14 +113,12 @@ class Layouts:
       return True
     return mesh_of(params, batch) is None and self._on_one_device(params)
 
-  def _accumulators(self, opt_state: MultiStepsState) -> Any:
-    """The state's accumulators: one like params, or one per loss term."""
-    acc = opt_state.acc_grads
-    return acc if self.bodies.config.terms else (acc,)
+  def _accumulators(self, opt_state: MultiStepsState) -> tuple[Any, ...]:
+    """The state's accumulators, one per loss term."""
+    return _terms.per_term(opt_state.acc_grads, self.bodies.config.terms)
 
   def _rebuilt(self, opt_state: MultiStepsState, accs: Any) -> MultiStepsState:
-    acc = tuple(accs) if self.bodies.config.terms else accs[0]
-    return opt_state._replace(acc_grads=acc)
+    return opt_state._replace(acc_grads=_terms.stored(accs, self.bodies.config.terms))
 
   def _summed(self, params: Any, opt_state: MultiStepsState) -> MultiStepsState:
     """``opt_state`` (unpacked) with one sum: per-replica partial sums added
@@ -178,12 +181,12 @@ class Layouts:
     if key not in self._chosen:
       acc = _stacked_like(self.bodies.optimizer, params, layout)
       micro_batch = _deferred.micro_batch_like(batch) if scan else batch
-      args = (params, acc, counters(opt_state), micro_batch, rng)
+      inputs = Inputs(params, None, acc, counters(opt_state), micro_batch, rng)
 
       def fits(chosen: DataLayout) -> bool:
         bodies = self._bodies_for(_deferred.policy(chosen))
         try:
-          jax.eval_shape(_deferred.accumulate_program(chosen, bodies), *args)
+          jax.eval_shape(_deferred.accumulate_body(chosen, bodies), inputs)
         except Exception:  # A cast JAX has no rule for (or a loss that fails
           return False  # anyway: with nothing cast, the call raises it).
         return True
@@ -196,7 +199,7 @@ class Layouts:
     bodies = self.bodies
     return Programs(bodies.loss_fn, bodies.optimizer, bodies.has_aux, policy)
 
-  def programs(self, layout: Layout) -> tuple[Any, Any]:
+  def programs(self, layout: Layout) -> Pair:
     """The accumulate and update programs for one accumulator layout."""
     if layout is None:
       return self.one_sum
@@ -213,17 +216,19 @@ class Layouts:
       self._built[layout] = built
     return self._built[layout]
 
-  def _packed_programs(self, packing: Packing) -> tuple[Any, Any]:
-    """The streaming programs on a packed accumulator (one sum)."""
-    donate, recent = self.donate, Recent(packing)
-    bodies = PackedPrograms(self.bodies, packing)
-    in_place = (0, 1, 2) if donate else ()
-    accumulate = PackedProgram(recent, bodies.accumulate, 1, 0, (1,) if donate else ())
+  def _packed_programs(self, packing: Packing) -> Pair:
+    """The programs on a packed accumulator (one sum)."""
+    recent, bodies = Recent(packing), PackedPrograms(self.bodies, packing)
+
+    def packed(body: Body, donates: tuple[str, ...]) -> PackedProgram:
+      return PackedProgram(recent, Program(body, donates, self.donate))
+
+    accumulate = packed(bodies.accumulate, ACCUMULATE_DONATES)
     if self.mode == "scan":
-      return accumulate, PackedProgram(recent, bodies.scan, 2, 2, in_place)
-    finish = PackedProgram(recent, bodies.finish, 2, 2, in_place)
-    merged = PackedProgram(recent, bodies.update, 2, 2, in_place)
-    return accumulate, PackedUpdate(accumulate, finish, merged)
+      return Pair(accumulate, packed(bodies.scan, UPDATE_DONATES))
+    finish = packed(bodies.finish, UPDATE_DONATES)
+    merged = packed(bodies.update, UPDATE_DONATES)
+    return Pair(accumulate, PackedUpdate(accumulate, finish, merged))
 
 
 def _devices(tree: Any) -> set[Any]:
@@ -243,13 +248,14 @@ def avals(tree: Any) -> tuple[Any, ...]:
 
 def _stacked_like(optimizer: MultiSteps, params: Any, layout: DataLayout) -> Any:
   """Shapes of the accumulator in ``layout`` (per-replica partial sums)."""
-  acc = jax.eval_shape(optimizer.init, params).acc_grads
-  trees = acc if optimizer.config.terms else (acc,)
+  names = optimizer.config.terms
+  trees = _terms.per_term(jax.eval_shape(optimizer.init, params).acc_grads, names)
 
   def stacked(a: Any, p: Any) -> jax.ShapeDtypeStruct:
     spec = tuple(p.sharding.spec) + (None,) * (jnp.ndim(p) - len(p.sharding.spec))
     sharding = NamedSharding(layout.mesh, layout.spec(*spec))
     return jax.ShapeDtypeStruct((layout.replicas, *a.shape), a.dtype, sharding=sharding)
 
-  out = tuple(jax.tree.map(stacked, tree, params) for tree in trees)
-  return out if optimizer.config.terms else out[0]
+  return _terms.stored(
+    tuple(jax.tree.map(stacked, tree, params) for tree in trees), names
+  )

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -40,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_accum._step._programs import Programs
+from optax_accum._step._signature import Inputs, Outputs, Program
 
 #: Leaves of at most this many elements are packed. Each buffer not passed
 #: saves about 3 us of host time a call, in and out; packing costs one more
@@ -230,54 +230,35 @@ class PackedPrograms(Programs):
 
 
 class PackedProgram:
-  """A body of :class:`PackedPrograms` (``fn``), jitted, called with the
-  accumulator in the state's packed layout.
+  """A :class:`Program` of :class:`PackedPrograms`' bodies, called with the
+  accumulator in the state's packed layout: the host passes only the group
+  buffers and the unpacked leaves, and puts the results back in the
+  placeholders' tree."""
 
-  ``acc_in`` and ``acc_out`` are the accumulator's positions among ``fn``'s
-  arguments and results. The host passes only the group buffers and the
-  unpacked leaves, and puts the results back in the placeholders' tree.
-  """
-
-  def __init__(
-    self,
-    recent: Recent,
-    fn: Callable[..., tuple[Any, ...]],
-    acc_in: int,
-    acc_out: int,
-    donate_argnums: tuple[int, ...],
-  ):
-    self.recent, self.acc_in, self.acc_out = recent, acc_in, acc_out
+  def __init__(self, recent: Recent, program: Program):
+    self.recent, self.program = recent, program
     self.packing = recent.packing
-    self.jitted = jax.jit(fn, donate_argnums=donate_argnums)
 
-  def _split(self, args: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
-    leaves = self.recent.leaves_of(args[self.acc_in])
-    args_ = list(args)
-    args_[self.acc_in] = _parts(self.packing, leaves)
-    return args_, leaves
+  def _split(self, inputs: Inputs) -> tuple[Inputs, list[Any]]:
+    leaves = self.recent.leaves_of(inputs.acc)
+    return inputs._replace(acc=_parts(self.packing, leaves)), leaves
 
-  def __call__(self, *args: Any) -> tuple[Any, ...]:
-    args_, leaves = self._split(args)
-    out = list(self.jitted(*args_))
-    placed = _placed(self.packing, leaves, *out[self.acc_out])
-    out[self.acc_out] = self.recent.tree_of(placed)
-    return tuple(out)
+  def __call__(self, inputs: Inputs) -> Outputs:
+    inputs, leaves = self._split(inputs)
+    out = self.program(inputs)
+    placed = _placed(self.packing, leaves, *out.acc)
+    return out._replace(acc=self.recent.tree_of(placed))
 
-  def lower(self, *args: Any) -> jax.stages.Lowered:
-    return self.jitted.lower(*self._split(args)[0])
+  def lower(self, inputs: Inputs) -> jax.stages.Lowered:
+    return self.program.lower(self._split(inputs)[0])
 
 
 class PackedUpdate:
   """The update program on a packed accumulator, run as two: ``accumulate``
-  adds the micro-batch, ``finish`` ends the window.
-
-  On XLA:CPU, in loops of windows (400 leaves, k = 4), the two took 0.77-0.85x
-  the time of one program doing both, with the same results; called alone, in
-  a loop of their own, each way cost the same (1.02x). What differs is how
-  consecutive calls overlap, where dispatching params and optimizer state
-  (1,200 buffers) weighs as much as the work. ``merged`` (the update body as
-  one program) is what :meth:`lower` gives for XLA's analyses: its peak memory
-  bounds each of the two's.
+  adds the micro-batch, ``finish`` ends the window (faster than one program
+  on XLA:CPU where dispatch weighs as much as the work; ``docs/benchmarks.md``).
+  ``merged`` (the update body as one program) is what :meth:`lower` gives for
+  XLA's analyses: its peak memory bounds each of the two's.
   """
 
   def __init__(
@@ -285,18 +266,10 @@ class PackedUpdate:
   ):
     self.accumulate, self.finish, self.merged = accumulate, finish, merged
 
-  def __call__(
-    self,
-    params: Any,
-    inner: Any,
-    acc: Any,
-    counters_: Any,
-    batch: Any,
-    rng: Any,
-    end_window: Any,
-  ) -> tuple[Any, ...]:
-    acc, counters_, _, _, aux = self.accumulate(params, acc, counters_, batch, rng)
-    return self.finish(params, inner, acc, counters_, aux, end_window)
+  def __call__(self, inputs: Inputs) -> Outputs:
+    added = self.accumulate(inputs._replace(inner=None, end_window=None))
+    ends = inputs._replace(acc=added.acc, counters=added.counters, batch=None)
+    return self.finish(ends._replace(rng=None))._replace(aux=added.aux)
 
-  def lower(self, *args: Any) -> jax.stages.Lowered:
-    return self.merged.lower(*args)
+  def lower(self, inputs: Inputs) -> jax.stages.Lowered:
+    return self.merged.lower(inputs)

@@ -21,7 +21,8 @@ from optax_accum._core import _reduction, _terms
 from optax_accum._core import _transitions as ms
 from optax_accum._core._hyperparams import get_hyperparams
 from optax_accum._core._multi_steps import MultiSteps
-from optax_accum._core._state import MultiStepsState
+from optax_accum._core._state import MultiStepsConfig, MultiStepsState
+from optax_accum._step._signature import Body, Inputs, Outputs
 
 Metrics = dict[str, Any]
 
@@ -71,16 +72,16 @@ def learning_rate(state: MultiStepsState) -> Any:
 
 
 def metrics(
+  config: MultiStepsConfig,
   added: MultiStepsState,
   new: MultiStepsState,
   loss: Any,
   norm: Any,
   lr: Any,
-  terms: tuple[str, ...] | None = None,
 ) -> Metrics:
   """The step's metrics from the window so far (``added``) and the new state;
-  with loss ``terms``, each term's mean loss and weight under ``"terms"``."""
-  window = ms.window_of(added)
+  with loss terms, each term's mean loss and weight under ``"terms"``."""
+  window = ms.window_of(config, added)
   out: Metrics = {
     "loss": loss,
     "weight": _terms.weight(window),
@@ -93,8 +94,8 @@ def metrics(
   }
   if lr is not None:
     out["learning_rate"] = lr
-  if terms is not None:
-    out["terms"] = _terms.term_metrics(window, terms)
+  if config.terms is not None:
+    out["terms"] = _terms.term_metrics(window, config.terms)
   return out
 
 
@@ -151,8 +152,7 @@ class Programs:
     gradient (0 * NaN). The forward passes are the same ops on the same
     inputs, and XLA computes them once.
     """
-    names = self.config.terms
-    assert names is not None
+    names = self.config.terms or ()
 
     def term(i: int) -> Callable[[Any], tuple[Any, Any]]:
       def value(p: Any) -> tuple[Any, Any]:
@@ -213,9 +213,15 @@ class Programs:
     return f"`loss_fn` must return {want} with has_aux={self.has_aux}, {got}."
 
   def _add(
-    self, params: Any, state: MultiStepsState, batch: Any, rng: Any, reduction: Any
-  ) -> tuple[MultiStepsState, jax.Array, Any, Any]:
-    """One micro-batch added; whether it counted, its gradient and its aux."""
+    self,
+    params: Any,
+    state: MultiStepsState,
+    batch: Any,
+    rng: Any,
+    reduction: Any = None,
+  ) -> tuple[MultiStepsState, jax.Array, Any]:
+    """One micro-batch added (under ``reduction``, by default the step's);
+    whether it counted, and its aux."""
     grads, value, weight, aux = self._grads(
       params, batch, rng, state.micro_batches_seen
     )
@@ -226,9 +232,9 @@ class Programs:
       params,
       weight=weight,
       loss=value,
-      reduction=reduction,
+      reduction=self.reduction if reduction is None else reduction,
     )
-    return added, counted, grads, aux
+    return added, counted, aux
 
   # -- the accumulator's layout: the params' own here (see _packing) ------------
 
@@ -240,77 +246,50 @@ class Programs:
     """The accumulator laid out as the params, for the optimizer."""
     return acc
 
-  # -- the programs ----------------------------------------------------------
+  # -- the programs (see _signature) ---------------------------------------
 
-  def accumulate(
-    self, params: Any, acc: Any, counters_: MultiStepsState, batch: Any, rng: Any
-  ) -> tuple[Any, MultiStepsState, jax.Array, jax.Array, Any]:
+  def updating(self, scan: bool) -> Body:
+    """The program that can end a window: :meth:`scan` or :meth:`update`."""
+    return self.scan if scan else self.update
+
+  def accumulate(self, inputs: Inputs) -> Outputs:
     """Adds a micro-batch that cannot end the window."""
-    state = joined(counters_, None, acc)
-    added, _, _, aux = self._add(params, state, batch, rng, self.reduction)
+    state = joined(inputs.counters, None, inputs.acc)
+    added, _, aux = self._add(inputs.params, state, inputs.batch, inputs.rng)
     loss = self.optimizer.window_loss(added)
-    return added.acc_grads, counters(added), loss, jnp.zeros([], jnp.float32), aux
+    out = {"loss": loss, "grad_norm": jnp.zeros([], jnp.float32)}
+    return Outputs(None, None, added.acc_grads, counters(added), out, aux)
 
-  def update(
-    self,
-    params: Any,
-    inner: Any,
-    acc: Any,
-    counters_: MultiStepsState,
-    batch: Any,
-    rng: Any,
-    end_window: Any,
-  ) -> tuple[Any, ...]:
+  def update(self, inputs: Inputs) -> Outputs:
     """Adds a micro-batch and ends the window if it is full or ``end_window``."""
-    state = joined(counters_, inner, acc)
-    added, counted, grads, aux = self._add(params, state, batch, rng, self.reduction)
-    return self._ended(added, counted, end_window, params, aux, grads)
+    params = inputs.params
+    state = joined(inputs.counters, inputs.inner, inputs.acc)
+    added, counted, aux = self._add(params, state, inputs.batch, inputs.rng)
+    return self._ended(added, counted, inputs.end_window, params)._replace(aux=aux)
 
-  def finish(
-    self,
-    params: Any,
-    inner: Any,
-    acc: Any,
-    counters_: MultiStepsState,
-    aux: Any,
-    end_window: Any,
-  ) -> tuple[Any, ...]:
+  def finish(self, inputs: Inputs) -> Outputs:
     """:meth:`update`'s second half, after :meth:`accumulate` added the
-    micro-batch (``aux`` its aux): the window ends if it is full or
+    micro-batch (the batch is not read): the window ends if it is full or
     ``end_window``. Where every micro-batch counts (no
-    ``should_skip_update_fn``) and gradients have the params' dtypes."""
-    added = joined(counters_, inner, acc)
-    return self._ended(added, jnp.array(True), end_window, params, aux, None)
+    ``should_skip_update_fn``)."""
+    added = joined(inputs.counters, inputs.inner, inputs.acc)
+    return self._ended(added, jnp.array(True), inputs.end_window, inputs.params)
 
   def _ended(
-    self,
-    added: MultiStepsState,
-    counted: Any,
-    end_window: Any,
-    params: Any,
-    aux: Any,
-    grads_like: Any,
-  ) -> tuple[Any, ...]:
+    self, added: MultiStepsState, counted: Any, end_window: Any, params: Any
+  ) -> Outputs:
     """The window of ``added`` ended if it is full or ``end_window``."""
     ends = ms.window_ends(self.config, added, counted, end_window)
     # The sums cut into the params' leaves once, before the optimizer's loop:
     # the norm's per-leaf sums then reduce the same arrays as unpacked.
     window = self.reduction.window_gradient(self.as_params(added.acc_grads))
     summed = added._replace(acc_grads=window)
-    params, inner, counters_, out = self._end(summed, ends, params, aux, grads_like)
-    # The accumulator keeps the window's sum (or this replica's partial sum)
-    # for the next window's first micro-batch to overwrite.
-    return params, inner, added.acc_grads, counters_, out
+    params, inner, counters_, out = self._end(summed, ends, params)
+    # The accumulator keeps the window's sum (or this replica's partial sum):
+    # the next window's first micro-batch overwrites it (see _window.add).
+    return Outputs(params, inner, added.acc_grads, counters_, out, None)
 
-  def scan(
-    self,
-    params: Any,
-    inner: Any,
-    acc: Any,
-    counters_: MultiStepsState,
-    batch: Any,
-    rng: Any,
-  ) -> tuple[Any, ...]:
+  def scan(self, inputs: Inputs) -> Outputs:
     """A whole window, its micro-batches along the batch's leading axis.
 
     With replicas each sums its own micro-batches inside the loop, and the
@@ -320,50 +299,47 @@ class Programs:
     read nor returned (``None`` in their place): each of their buffers costs
     the host time on every call.
     """
+    params, acc, batch = inputs.params, inputs.acc, inputs.batch
     _check_leading_axis(batch)
     axes, partial = self.reduction.axes, self.reduction.at_window_end
     loop = self.reduction.per_window()
     empty = acc is None
     if empty:
-      terms = len(self.config.terms or ())
-      acc = _terms.empty(params, self.config.accumulator_dtype, terms).acc_grads
+      window = _terms.empty(params, self.config.accumulator_dtype, self.config.terms)
+      acc = _terms.joined(window, self.config.terms).acc_grads
     own = axes and (empty or not partial)
     start = jax.tree.map(_own_zeros(loop), acc) if own else acc
 
     def body(state: MultiStepsState, micro_batch: Any) -> Any:
-      added, _, _, aux = self._add(params, state, micro_batch, rng, loop)
+      added, _, aux = self._add(params, state, micro_batch, inputs.rng, loop)
       return added, aux
 
-    added, auxs = jax.lax.scan(body, joined(counters_, None, start), batch)
+    added, auxs = jax.lax.scan(body, joined(inputs.counters, None, start), batch)
     partial_sums = added.acc_grads
     window = loop.window_gradient(partial_sums)
     if axes and not partial and not empty:
-      streamed = counters_.mini_step > 0
+      streamed = inputs.counters.mini_step > 0
       window = jax.tree.map(
         lambda total, a: total + jnp.where(streamed, a, jnp.zeros_like(a)), window, acc
       )
-    summed = added._replace(acc_grads=self.as_params(window), inner_opt_state=inner)
-    params, inner, counters_, out = self._end(
-      summed, jnp.array(True), params, auxs, None
+    summed = added._replace(
+      acc_grads=self.as_params(window), inner_opt_state=inputs.inner
     )
-    if empty:
-      return params, inner, None, counters_, out
-    return params, inner, partial_sums if partial else window, counters_, out
+    params, inner, counters_, out = self._end(summed, jnp.array(True), params)
+    sums = None if empty else partial_sums if partial else window
+    return Outputs(params, inner, sums, counters_, out, auxs)
 
-  def _end(
-    self, added: MultiStepsState, ends: Any, params: Any, aux: Any, grads_like: Any
-  ) -> tuple[Any, ...]:
-    """Ends the window if ``ends``, updating params in place.
+  def _end(self, added: MultiStepsState, ends: Any, params: Any) -> tuple[Any, ...]:
+    """Ends the window if ``ends``, updating params in place; the gradient
+    takes the params' dtypes, as ``jax.grad``'s does.
 
     Returns params, the inner state, the counters and the metrics.
     """
-    if grads_like is None or self.config.terms is not None:
-      grads_like = params
-    window, divides = ms.window_of(added), self.config.divides
+    window, divides = ms.window_of(self.config, added), self.config.divides
     positive = ends & _terms.has_weight(window)
 
     def checked(_: Any) -> tuple[jax.Array, jax.Array]:
-      squares = _terms.squares(window, grads_like, divides)
+      squares = _terms.squares(window, params, divides)
       return squares, _terms.nonfinite(window, squares)
 
     # Only a window that ends reads its sums: traced in the user's jit,
@@ -375,22 +351,21 @@ class Programs:
 
     def update(carry: Any) -> Any:
       params, inner, _ = carry
-      grads = _terms.gradient(window, grads_like, divides)
+      grads = _terms.gradient(window, params, divides)
       with_inner = added._replace(inner_opt_state=inner)
+      inner_opt, extra_args = self.optimizer.inner_opt, {"value": loss}
       new, inner = ms.run_inner(
-        self.optimizer.inner_opt, grads, with_inner, params, {}, {"value": loss}
+        self.config, inner_opt, grads, with_inner, params, extra_args
       )
       return optax.apply_updates(params, new), inner, jnp.sqrt(squares)
 
     carry = (params, added.inner_opt_state, jnp.zeros_like(squares))
     params, inner, norm = once_if(applies, update, carry)
     new = ms.closed(
-      added, ends, nonfinite, applies, inner, divided_loss=loss, keep_sum=True
+      self.config, added, ends, nonfinite, applies, inner, divided_loss=loss
     )
     norm = norm.astype(jnp.float32)
-    out = metrics(added, new, loss, norm, learning_rate(new), self.config.terms)
-    if self.has_aux:
-      out["aux"] = aux
+    out = metrics(self.config, added, new, loss, norm, learning_rate(new))
     return params, inner, counters(new), out
 
 

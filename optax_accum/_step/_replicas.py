@@ -23,6 +23,15 @@ from jax.sharding import PartitionSpec as P
 from optax_accum._core._checks import axes as _axes
 from optax_accum._core._reduction import AxisName
 from optax_accum._step._programs import Programs
+from optax_accum._step._signature import (
+  ACCUMULATE_DONATES,
+  UPDATE_DONATES,
+  Body,
+  Inputs,
+  Outputs,
+  Pair,
+  Program,
+)
 
 
 class DataLayout(NamedTuple):
@@ -92,7 +101,7 @@ def data_layout(
   return DataLayout(mesh, axes)
 
 
-def _stacked(leaf: jax.Array, param: Any) -> bool:
+def _is_stacked(leaf: jax.Array, param: Any) -> bool:
   return jnp.ndim(leaf) == jnp.ndim(param) + 1
 
 
@@ -110,7 +119,7 @@ def per_replica(acc: Any, params: Any, layout: DataLayout) -> Any:
 
   def convert(a: Any, p: Any) -> jax.Array:
     rest = _spec_on(layout.mesh, p) or (None,) * jnp.ndim(p)
-    if _stacked(a, p):
+    if _is_stacked(a, p):
       if a.shape[0] == n:
         return _placed(a, NamedSharding(layout.mesh, layout.spec(*rest)))
       a = jnp.sum(a, axis=0, dtype=a.dtype)
@@ -159,7 +168,7 @@ def summed(acc: Any, params: Any) -> Any:
   each sum placed like its param."""
 
   def one_sum(a: Any, p: Any) -> Any:
-    if not _stacked(a, p):
+    if not _is_stacked(a, p):
       return a
     total = jnp.sum(a, axis=0, dtype=a.dtype)
     if isinstance(p, jax.Array) and not isinstance(p, jax.core.Tracer):
@@ -207,14 +216,14 @@ def as_returned(tree: Any, mesh: jax.sharding.Mesh) -> Any:
 def has_partial_sums(acc: Any, params: Any) -> bool:
   """Whether ``acc`` holds per-replica partial sums."""
   return any(
-    _stacked(a, p)
+    _is_stacked(a, p)
     for a, p in zip(jax.tree.leaves(acc), jax.tree.leaves(params), strict=False)
   )
 
 
 def sharded_programs(
   layout: DataLayout, bodies: Programs, *, scan: bool, donate: bool
-) -> tuple[Any, Any]:
+) -> Pair:
   """The step's accumulate and update programs, run in a ``shard_map``.
 
   ``bodies`` keep each replica's weighted gradients in its own partial sum
@@ -224,61 +233,37 @@ def sharded_programs(
   """
   rows = P(None, *layout.spec()) if scan else layout.spec()
   split, whole = layout.spec(), P()
+  inputs = Inputs(whole, whole, split, whole, rows, whole, whole)
 
-  def one(x: Any) -> Any:  # This replica's slice of a leading replica axis.
-    return jax.tree.map(lambda a: a[0], x)
+  def here(body: Body, aux_axis: int) -> Body:
+    """``body`` on this replica's slice of the accumulator's replica axis."""
 
-  def stack(x: Any, axis: int = 0) -> Any:  # Gains a replica axis.
-    return jax.tree.map(lambda a: jnp.expand_dims(a, axis), x)
+    def run(inputs: Inputs) -> Outputs:
+      out = body(inputs._replace(acc=jax.tree.map(lambda a: a[0], inputs.acc)))
+      return out._replace(acc=_stack(out.acc), aux=_stack(out.aux, aux_axis))
 
-  def accumulate_here(params: Any, acc: Any, counters: Any, batch: Any, rng: Any):
-    acc, counters, loss, grad_norm, aux = bodies.accumulate(
-      params, one(acc), counters, batch, rng
-    )
-    return stack(acc), counters, loss, grad_norm, stack(aux)
-
-  def update_here(
-    params: Any, inner: Any, acc: Any, counters: Any, batch: Any, rng: Any, *end: Any
-  ) -> Any:
-    update = bodies.scan if scan else bodies.update
-    params, inner, acc, counters, metrics = update(
-      params, inner, one(acc), counters, batch, rng, *end
-    )
-    aux = metrics.pop("aux", None)
-    return params, inner, stack(acc), counters, metrics, stack(aux, int(scan))
-
-  def program(fn: Any, in_specs: Any, out_specs: Any, donated: Any) -> Any:
-    mapped = jax.shard_map(
-      fn,
-      mesh=layout.mesh,
-      in_specs=in_specs,
-      out_specs=out_specs,
-      axis_names=set(layout.axes),
-    )
-    return jax.jit(mapped, donate_argnums=donated if donate else ())
-
-  accumulate_program = program(
-    accumulate_here,
-    (whole, split, whole, rows, whole),
-    (split, whole, whole, whole, rows),
-    (1,),
-  )
-  end_window = () if scan else (whole,)
-  update_program = program(
-    update_here,
-    (whole, whole, split, whole, rows, whole, *end_window),
-    (whole, whole, split, whole, whole, rows),
-    (0, 1, 2),
-  )
-
-  def with_aux(fn: Any) -> Any:  # aux back into the metrics, where users read it.
-    def run(*args: Any) -> Any:
-      *out, aux = fn(*args)
-      if bodies.has_aux:
-        out[-1] = {**out[-1], "aux": aux}
-      return tuple(out)
-
-    run.lower = fn.lower  # type: ignore[attr-defined]
     return run
 
-  return accumulate_program, with_aux(update_program)
+  def program(body: Body, donates: tuple[str, ...], aux_rows: P) -> Program:
+    outputs = Outputs(whole, whole, split, whole, whole, aux_rows)
+
+    def mapped(flat: Any) -> Any:
+      return jax.shard_map(
+        flat,
+        mesh=layout.mesh,
+        in_specs=tuple(inputs),
+        out_specs=outputs,
+        axis_names=set(layout.axes),
+      )
+
+    return Program(body, donates, donate, mapped)
+
+  return Pair(
+    program(here(bodies.accumulate, 0), ACCUMULATE_DONATES, split),
+    program(here(bodies.updating(scan), int(scan)), UPDATE_DONATES, rows),
+  )
+
+
+def _stack(tree: Any, axis: int = 0) -> Any:
+  """``tree`` with a replica axis at ``axis``."""
+  return jax.tree.map(lambda a: jnp.expand_dims(a, axis), tree)

@@ -21,6 +21,7 @@ from optax_accum._core import _checks, _reduction, _terms
 from optax_accum._core._multi_steps import EveryKSchedule, MultiSteps, MultiStepsState
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import check_single_accumulation
+from optax_accum._core._transitions import with_window
 from optax_accum._step._layouts import Layout, Layouts, avals, is_traced
 from optax_accum._step._programs import (
   Metrics,
@@ -30,6 +31,14 @@ from optax_accum._step._programs import (
   learning_rate,
   metrics,
   zeros,
+)
+from optax_accum._step._signature import (
+  ACCUMULATE_DONATES,
+  UPDATE_DONATES,
+  Inputs,
+  Outputs,
+  Pair,
+  Program,
 )
 
 Mode = Literal["stream", "scan"]
@@ -160,18 +169,13 @@ class TrainStep:
     self._bodies = Programs(
       loss_fn, optimizer, has_aux, _reduction.policy(optimizer.config.axis_name)
     )
-    # Donated: params, inner optimizer state and accumulator (not the counters).
-    self.update_program = jax.jit(
-      self._bodies.scan if mode == "scan" else self._bodies.update,
-      donate_argnums=(0, 1, 2) if donate else (),
+    bodies = self._bodies
+    self.update_program = Program(
+      bodies.updating(mode == "scan"), UPDATE_DONATES, donate
     )
-    # Donated: the accumulator only. Params are read, not returned.
-    self.accumulate_program = jax.jit(
-      self._bodies.accumulate, donate_argnums=(1,) if donate else ()
-    )
-    self._layouts = Layouts(
-      self._bodies, mode, donate, (self.accumulate_program, self.update_program)
-    )
+    self.accumulate_program = Program(bodies.accumulate, ACCUMULATE_DONATES, donate)
+    one_sum = Pair(self.accumulate_program, self.update_program)
+    self._layouts = Layouts(bodies, mode, donate, one_sum)
     self._known: _Known | None = None
     # Scan mode with the inner optimizer's own state: per params' shapes, that
     # state's structure and the counters of an empty window.
@@ -277,8 +281,8 @@ class TrainStep:
     if not sums:
       return empty._replace(inner_opt_state=inner)
     config = self.optimizer.config
-    window = _terms.empty(params, config.accumulator_dtype, len(config.terms or ()))
-    return empty._replace(**window._asdict(), inner_opt_state=inner)
+    window = _terms.empty(params, config.accumulator_dtype, config.terms)
+    return with_window(config, empty, window)._replace(inner_opt_state=inner)
 
   def _recalled(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
@@ -334,20 +338,28 @@ class TrainStep:
       params, opt_state, layout = self._own_window(params, opt_state, batch, rng)
     else:
       params, opt_state, layout = self._layouts.arranged(params, opt_state, batch, rng)
-    accumulate_program, update_program = self._layouts.programs(layout)
-    split = (opt_state.inner_opt_state, opt_state.acc_grads, counters(opt_state))
+    programs = self._layouts.programs(layout)
+    inputs = self._inputs(params, opt_state, batch, rng)
     if program == "accumulate" and self.mode == "stream":
-      return accumulate_program.lower(params, *split[1:], batch, rng)
+      return programs.accumulate.lower(inputs._replace(inner=None))
     if program != "update":
       raise ValueError(
         f"`program` must be 'update' or, in streaming mode, 'accumulate'; got "
         f"{program!r}."
       )
-    if self.mode == "scan":
-      return update_program.lower(params, *split, batch, rng)
-    return update_program.lower(params, *split, batch, rng, False)
+    end_window = None if self.mode == "scan" else False
+    return programs.update.lower(inputs._replace(end_window=end_window))
 
   # -- calling the programs ------------------------------------------------
+
+  @staticmethod
+  def _inputs(params: Any, opt_state: MultiStepsState, batch: Any, rng: Any) -> Inputs:
+    inner, acc = opt_state.inner_opt_state, opt_state.acc_grads
+    return Inputs(params, inner, acc, counters(opt_state), batch, rng)
+
+  def _metrics(self, out: Outputs) -> Metrics:
+    """The program's metrics, with ``aux`` where ``loss_fn`` has one."""
+    return {**out.metrics, "aux": out.aux} if self.has_aux else out.metrics
 
   def _run_update(
     self,
@@ -355,22 +367,16 @@ class TrainStep:
     opt_state: MultiStepsState,
     batch: Any,
     rng: Any,
-    *end_window: Any,
+    end_window: Any = None,
+    *,
     check_aliasing: bool = True,
     layout: Layout = None,
   ) -> StepOutput:
     if self.donate and check_aliasing and not is_traced(params, opt_state):
       params, opt_state = _unaliased((params, opt_state), (batch, rng))
-    params, inner, acc, counters_, metrics_ = self._layouts.programs(layout)[1](
-      params,
-      opt_state.inner_opt_state,
-      opt_state.acc_grads,
-      counters(opt_state),
-      batch,
-      rng,
-      *end_window,
-    )
-    return params, joined(counters_, inner, acc), metrics_
+    inputs = self._inputs(params, opt_state, batch, rng)._replace(end_window=end_window)
+    out = self._layouts.programs(layout).update(inputs)
+    return out.params, joined(out.counters, out.inner, out.acc), self._metrics(out)
 
   def _run_accumulate(
     self,
@@ -385,17 +391,14 @@ class TrainStep:
     acc = opt_state.acc_grads
     if self.donate and check_aliasing and not is_traced(params, acc):
       acc = _unaliased(acc, (params, opt_state.inner_opt_state, batch, rng))
-    acc, counters_, loss, grad_norm, aux = self._layouts.programs(layout)[0](
-      params, acc, counters(opt_state), batch, rng
-    )
-    state = joined(counters_, opt_state.inner_opt_state, acc)
+    inputs = Inputs(params, None, acc, counters(opt_state), batch, rng)
+    out = self._layouts.programs(layout).accumulate(inputs)
+    state = joined(out.counters, opt_state.inner_opt_state, out.acc)
     # The counters are never donated: the metrics can share them.
-    out = metrics(
-      state, state, loss, grad_norm, learning_rate, self._bodies.config.terms
-    )
-    if self.has_aux:
-      out["aux"] = aux
-    return params, state, out
+    loss, grad_norm = out.metrics["loss"], out.metrics["grad_norm"]
+    config = self._bodies.config
+    metrics_ = metrics(config, state, state, loss, grad_norm, learning_rate)
+    return params, state, self._metrics(out._replace(metrics=metrics_))
 
 
 def _accumulator(

@@ -1,0 +1,93 @@
+"""The one signature of a train step's programs: what each takes and returns.
+
+Every program (accumulate, update, scan, finish) and every layout of the
+accumulator (one sum, packed, per replica, deferred) maps :class:`Inputs` to
+:class:`Outputs`; a layout changes fields (``acc``, ``aux``), never positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+
+
+class Inputs(NamedTuple):
+  """A program's inputs (or anything laid out like them: their specs).
+
+  Attributes:
+    params: The params.
+    inner: The inner optimizer's state (``None`` for the accumulate program,
+      which never reads it).
+    acc: The window's sums, in the call's layout.
+    counters: The ``MultiStepsState`` without its params-sized parts (see
+      :func:`~optax_accum._step._programs.counters`); never donated.
+    batch: The micro-batch (scan mode: the window's micro-batches).
+    rng: The run's key, or ``None``.
+    end_window: Whether the caller ends the window (streaming update only).
+  """
+
+  params: Any
+  inner: Any
+  acc: Any
+  counters: Any
+  batch: Any
+  rng: Any
+  end_window: Any = None
+
+
+class Outputs(NamedTuple):
+  """A program's outputs: ``params`` and ``inner`` are ``None`` from the
+  accumulate program, which returns neither; ``metrics`` are the step's (the
+  accumulate program's: ``loss`` and ``grad_norm``), without ``aux``."""
+
+  params: Any
+  inner: Any
+  acc: Any
+  counters: Any
+  metrics: Any
+  aux: Any
+
+
+Body = Callable[[Inputs], Outputs]
+
+#: The fields each program donates: params and the inner state are updated in
+#: place by the programs that return them; the accumulator by both.
+ACCUMULATE_DONATES = ("acc",)
+UPDATE_DONATES = ("params", "inner", "acc")
+
+
+class Program:
+  """``body`` jitted, its inputs passed field by field so that ``donates``
+  (field names) can be donated; ``mapped`` wraps the flat function first
+  (a ``shard_map``)."""
+
+  def __init__(
+    self,
+    body: Body,
+    donates: tuple[str, ...],
+    donate: bool,
+    mapped: Callable[[Callable[..., Outputs]], Callable[..., Outputs]] | None = None,
+  ):
+    def flat(*fields: Any) -> Outputs:
+      return body(Inputs(*fields))
+
+    argnums = tuple(Inputs._fields.index(name) for name in donates) if donate else ()
+    self.jitted = jax.jit(
+      flat if mapped is None else mapped(flat), donate_argnums=argnums
+    )
+
+  def __call__(self, inputs: Inputs) -> Outputs:
+    return Outputs(*self.jitted(*inputs))
+
+  def lower(self, inputs: Inputs) -> jax.stages.Lowered:
+    return self.jitted.lower(*inputs)
+
+
+class Pair(NamedTuple):
+  """A layout's two programs: ``accumulate`` for a micro-step that cannot end
+  the window, ``update`` for one that can (scan mode: the whole window)."""
+
+  accumulate: Any
+  update: Any
