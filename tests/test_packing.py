@@ -129,7 +129,7 @@ def test_a_packed_window_ends_in_two_programs_within_the_merged_ones_memory():
   accumulating = _peak(accumulate.lower(inputs._replace(inner=None, end_window=None)))
   assert accumulating + resident <= merged
   finishing = inputs._replace(batch=None)
-  assert _peak(update.finish.lower(finishing)) <= merged
+  assert _peak(update.ending.lower(finishing)) <= merged
 
 
 def _peak(lowered) -> int:

@@ -141,7 +141,7 @@ def _describe(out: Any) -> str:
 
 def check_loss_fn(loss: LossView, params: Any, micro_batch: Any) -> None:
   """Raises ``ValueError`` unless ``loss.loss_fn`` returns what ``audit`` needs
-  (loss terms are checked where they are found: ``_audit_terms.loss_terms``)."""
+  (loss terms are checked where they are found: ``_terms.loss_terms``)."""
   _checks.callable_arg(loss.loss_fn, name="loss_fn")
   if loss.terms:
     return

@@ -1,7 +1,7 @@
 """The verdicts of ``audit``: which failure, if any, explains each measurement.
 
 F3 is decided first: a schedule stepped too fast explains params that stop
-moving. F4 and F7 (``_audit_windows``) are decided from where the loop applies
+moving. F4 and F7 (``_windows``) are decided from where the loop applies
 its updates, which no learning rate changes.
 """
 

@@ -62,47 +62,18 @@ class MultiSteps:
 
   A drop-in for :class:`optax.MultiSteps` that gives exactly the whole-batch
   gradient when micro-batches hold different numbers of items (tokens,
-  samples). Each call passes one micro-batch's gradient :math:`g_i` and its
-  ``weight`` :math:`w_i`; when the window ends the inner optimizer receives
+  samples). Each call passes one micro-batch's gradient :math:`g_i` of its
+  mean loss and its ``weight`` :math:`w_i`; the window's last call runs the
+  inner optimizer on
 
   .. math::
     g = \frac{\sum_i w_i\, g_i}{\sum_i w_i}
 
-  (with ``grad_reduction="mean"``: :math:`g_i` is the gradient of the mean
-  loss over the micro-batch's :math:`w_i` items), i.e. the gradient of the
-  token mean over the whole window. With ``grad_reduction="sum"``, :math:`g_i`
-  is the gradient of the summed loss and the numerator is :math:`\sum_i g_i`.
-  Without ``weight`` every micro-batch weighs 1, which is what
-  ``optax.MultiSteps`` computes.
-
-  A window ends after ``every_k_schedule(gradient_step)`` counted micro-batches
-  or on a call with ``end_window=True``. The inner optimizer runs on that call
-  only, with the window's total weight and micro-batch count as extra
-  arguments ``window_weight`` and ``window_micro_steps`` (where it takes
-  them); every other call returns exact zeros. A window of total weight 0
-  ends without an update and is not counted in ``gradient_step``.
-
-  What each micro-batch does to the window:
-
-  =====================================  ================  ========
-  micro-batch                            counts towards k  adds
-  =====================================  ================  ========
-  ``weight > 0``, finite gradient        yes               its grad
-  ``weight == 0`` (all padding)          yes               nothing
-  ``weight`` negative or not finite      yes, as skipped   nothing
-  non-finite grad, ``skip_micro_batch``  yes, as skipped   nothing
-  non-finite grad, ``skip_window``       yes               its grad
-  rejected by ``should_skip_update_fn``  no (as in optax)  nothing
-  =====================================  ================  ========
-
-  With ``axis_name`` a micro-batch dropped on one replica is dropped on all.
-
-  Weights and the products ``weight * grad`` are float32 at least, whatever
-  ``accumulator_dtype`` is. A window whose gradient (as the inner optimizer
-  would receive it) or loss is not finite ends without an update whatever
-  the policy, counted in ``skipped_windows``; drops and resets are
-  selections, never products with 0, so a NaN never reaches the next window
-  (``docs/multi_steps.md``, "What happens when...", has every case).
+  with the window's totals as extra arguments ``window_weight`` and
+  ``window_micro_steps``; every other call returns exact zeros. Without
+  ``weight`` every micro-batch weighs 1, as in ``optax.MultiSteps``. What each
+  kind of micro-batch (padding only, a bad weight, a non-finite gradient)
+  does to the window is in ``docs/multi_steps.md``.
 
   Args:
     opt: The optimizer to run once per window.
@@ -319,7 +290,7 @@ class MultiSteps:
     terms = self.config.terms
     like = updates if terms is None else by_term(terms, updates, "updates")[0]
 
-    def finish() -> tuple[Any, Any, jax.Array]:
+    def apply() -> tuple[Any, Any, jax.Array]:
       window = window_of(self.config, added)
       grads, squares = _terms.finish(window, like, self.config.divides)
       finite = ~reduction.any(_terms.nonfinite(window, squares), added.acc_weight)
@@ -329,14 +300,14 @@ class MultiSteps:
       inner = jax.tree.map(lambda n, o: jnp.where(finite, n, o), inner, old)
       return new, inner, finite
 
-    def hold() -> tuple[Any, Any, jax.Array]:  # Typed like finish's outputs.
-      new, inner, finite = jax.eval_shape(finish)
+    def hold() -> tuple[Any, Any, jax.Array]:  # Typed like apply's outputs.
+      new, inner, finite = jax.eval_shape(apply)
       zeros = jax.tree.map(lambda a: typed_like(jnp.zeros(a.shape, a.dtype), a), new)
       unchanged = jax.tree.map(typed_like, added.inner_opt_state, inner)
       return zeros, unchanged, typed_like(jnp.array(False), finite)
 
     positive = ends & _terms.has_weight(window_of(self.config, added))
-    new_updates, inner, finite = jax.lax.cond(positive, finish, hold)
+    new_updates, inner, finite = jax.lax.cond(positive, apply, hold)
     new_state = closed(
       self.config,
       added,

@@ -44,7 +44,7 @@ class MultiStepsState(NamedTuple):
     acc_grads: Like params, in the accumulator dtype. The window's running sum
       of ``weight * grad`` (``grad_reduction="mean"``) or of ``grad``
       (``"sum"``). While ``mini_step`` is 0 it counts as zeros, whatever it
-      holds: ``make_train_step`` leaves the last window's sum there. Under
+      holds (the window's first micro-batch overwrites it). Under
       plain ``jit`` with ``axis_name``, ``make_train_step`` keeps each
       replica's partial sum instead, with a leading axis of replicas (it
       accepts either layout, and a checkpoint of either resumes exactly).
@@ -61,9 +61,9 @@ class MultiStepsState(NamedTuple):
       weight but a non-finite gradient or loss, and so without an update.
     skip_state: Whatever ``should_skip_update_fn`` returned last; ``()``
       without one.
-    micro_batches_seen: int32 ``[]``, saturating. Every micro-batch :meth:`add`
-      has seen in the run, whatever became of it (rejected, dropped, of weight
-      0, in a skipped window). ``make_train_step`` gives the run's ``n``-th
+    micro_batches_seen: int32 ``[]``, saturating. Every micro-batch the
+      accumulator has seen in the run, whatever became of it (rejected,
+      dropped, of weight 0, in a skipped window). ``make_train_step`` gives the run's ``n``-th
       micro-batch the key ``jax.random.fold_in(rng, n)`` with this count, so
       no two micro-batches of a run share a key (for the first ``2**31 - 1``).
       A state built by hand without it starts at 0.
@@ -194,7 +194,7 @@ class MultiStepsConfig:
 
 def check_single_accumulation(inner_state: Any) -> None:
   """Raises ``ValueError`` where an inner optimizer's state holds a
-  ``MultiSteps`` state: windows of windows, counted wrong (issue 26)."""
+  ``MultiSteps`` state: windows of windows, counted wrong."""
   kinds = (MultiStepsState, optax.MultiStepsState)
   nodes = jax.tree.leaves(inner_state, is_leaf=lambda x: isinstance(x, kinds))
   if any(isinstance(node, kinds) for node in nodes):

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from optax_accum._core._checks import axes as _axes
 from optax_accum._core._reduction import Deferred
 from optax_accum._core._state import MultiStepsConfig
-from optax_accum._step._programs import Programs
+from optax_accum._step._programs import Bodies
 from optax_accum._step._replicas import DataLayout
 from optax_accum._step._signature import (
   ACCUMULATE_DONATES,
@@ -152,7 +152,7 @@ def _local(layout: DataLayout, fn: Callable[..., Any], in_spec: P, out_spec: P) 
   )
 
 
-def accumulate_body(layout: DataLayout, bodies: Programs) -> Body:
+def accumulate_body(layout: DataLayout, bodies: Bodies) -> Body:
   """The streaming accumulate body, the accumulator in its stacked layout."""
   return _in_layout(layout, bodies.accumulate)
 
@@ -168,7 +168,7 @@ def _in_layout(layout: DataLayout, body: Body) -> Body:
   return run
 
 
-def programs(layout: DataLayout, bodies: Programs, *, scan: bool, donate: bool) -> Pair:
+def programs(layout: DataLayout, bodies: Bodies, *, scan: bool, donate: bool) -> Pair:
   """The step's accumulate and update programs for a deferred layout."""
   return Pair(
     Program(accumulate_body(layout, bodies), ACCUMULATE_DONATES, donate),

@@ -21,13 +21,13 @@ from optax_accum._core import _reduction, _terms
 from optax_accum._core._multi_steps import MultiSteps, MultiStepsState
 from optax_accum._step import _deferred, _packing
 from optax_accum._step._packing import (
+  PackedBodies,
   PackedProgram,
-  PackedPrograms,
   PackedUpdate,
   Packing,
   Recent,
 )
-from optax_accum._step._programs import Programs, counters
+from optax_accum._step._programs import Bodies, counters
 from optax_accum._step._replicas import (
   DataLayout,
   as_returned,
@@ -62,7 +62,7 @@ class Layouts:
   ``one_sum``: the programs of ``bodies`` for a state with one sum.
   """
 
-  def __init__(self, bodies: Programs, mode: str, donate: bool, one_sum: Pair):
+  def __init__(self, bodies: Bodies, mode: str, donate: bool, one_sum: Pair):
     self.bodies = bodies
     self.mode = mode
     self.donate = donate
@@ -184,7 +184,7 @@ class Layouts:
       inputs = Inputs(params, None, acc, counters(opt_state), micro_batch, rng)
 
       def fits(chosen: DataLayout) -> bool:
-        bodies = self._bodies_for(_deferred.policy(chosen))
+        bodies = self._bodies_under(_deferred.policy(chosen))
         try:
           jax.eval_shape(_deferred.accumulate_body(chosen, bodies), inputs)
         except Exception:  # A cast JAX has no rule for (or a loss that fails
@@ -194,10 +194,10 @@ class Layouts:
       self._chosen[key] = _deferred.choose_leaves(layout, fits, params)
     return self._chosen[key]
 
-  def _bodies_for(self, policy: _reduction.Local) -> Programs:
+  def _bodies_under(self, policy: _reduction.Local) -> Bodies:
     """The step's program bodies under another reduction policy."""
     bodies = self.bodies
-    return Programs(bodies.loss_fn, bodies.optimizer, bodies.has_aux, policy)
+    return Bodies(bodies.loss_fn, bodies.optimizer, bodies.has_aux, policy)
 
   def programs(self, layout: Layout) -> Pair:
     """The accumulate and update programs for one accumulator layout."""
@@ -208,17 +208,17 @@ class Layouts:
       if isinstance(layout, Packing):
         built = self._packed_programs(layout)
       elif layout.deferred is not None:
-        bodies = self._bodies_for(_deferred.policy(layout))
+        bodies = self._bodies_under(_deferred.policy(layout))
         built = _deferred.programs(layout, bodies, scan=scan, donate=self.donate)
       else:
-        bodies = self._bodies_for(_reduction.policy(layout.axes, at_window_end=True))
+        bodies = self._bodies_under(_reduction.policy(layout.axes, at_window_end=True))
         built = sharded_programs(layout, bodies, scan=scan, donate=self.donate)
       self._built[layout] = built
     return self._built[layout]
 
   def _packed_programs(self, packing: Packing) -> Pair:
     """The programs on a packed accumulator (one sum)."""
-    recent, bodies = Recent(packing), PackedPrograms(self.bodies, packing)
+    recent, bodies = Recent(packing), PackedBodies(self.bodies, packing)
 
     def packed(body: Body, donates: tuple[str, ...]) -> PackedProgram:
       return PackedProgram(recent, Program(body, donates, self.donate))
@@ -226,9 +226,9 @@ class Layouts:
     accumulate = packed(bodies.accumulate, ACCUMULATE_DONATES)
     if self.mode == "scan":
       return Pair(accumulate, packed(bodies.scan, UPDATE_DONATES))
-    finish = packed(bodies.finish, UPDATE_DONATES)
+    ending = packed(bodies.ending, UPDATE_DONATES)
     merged = packed(bodies.update, UPDATE_DONATES)
-    return Pair(accumulate, PackedUpdate(accumulate, finish, merged))
+    return Pair(accumulate, PackedUpdate(accumulate, ending, merged))
 
 
 def _devices(tree: Any) -> set[Any]:

@@ -6,7 +6,7 @@ model of many small leaves (an unscanned transformer's norms and biases, or
 hundreds of small layers) the step's accumulator then costs more to pass and to
 launch than to add to. In the packed layout the step passes one buffer per
 group of small leaves of one dtype instead. Inside the programs
-(:class:`PackedPrograms`) each micro-batch's gradients are packed alike and
+(:class:`PackedBodies`) each micro-batch's gradients are packed alike and
 added to a group in one pass; the optimizer gets the sums cut back into
 leaves. The arithmetic is the same element by element, so every result is
 bit-identical.
@@ -38,20 +38,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_accum._step._programs import Programs
+from optax_accum._step._programs import Bodies
 from optax_accum._step._signature import Inputs, Outputs, Program
 
-#: Leaves of at most this many elements are packed. Each buffer not passed
-#: saves about 3 us of host time a call, in and out; packing costs one more
-#: pass over the gradients (concatenated: 8 bytes an element of float32), and
-#: the two break even near 7,500 elements.
+#: Leaves of at most this many elements are packed: below it, the host time a
+#: buffer costs per call outweighs the extra pass packing makes over its
+#: gradients (measured on XLA:CPU; ``docs/benchmarks.md``, many small leaves).
 MAX_LEAF_SIZE = 4096
 #: A dtype with fewer small leaves is left as it is.
 MIN_LEAVES = 16
-#: A group holds at most this many elements. Its leaves' gradients stay live
-#: until they are concatenated: in groups of 32,768 elements the 400-leaf
-#: benchmark model needs 0.62 MB of scratch for its 1.6 MB of sums, where one
-#: group needed 3.3 MB (XLA's memory analysis; 0.41 MB unpacked).
+#: A group holds at most this many elements: its leaves' gradients stay live
+#: until they are concatenated, so larger groups need more scratch.
 MAX_GROUP_SIZE = 32768
 
 
@@ -138,7 +135,7 @@ def unpack(acc: Any, packing: Packing) -> Any:
 @functools.partial(jax.jit, static_argnums=1)
 def _pack(acc: Any, packing: Packing) -> Any:
   placeholders = [jnp.zeros((), x.dtype) for x in jax.tree.leaves(acc)]
-  out = _placed(packing, placeholders, *_packed(packing, acc))
+  out = _refilled(packing, placeholders, *_packed(acc, packing))
   return jax.tree.unflatten(packing.treedef, out)
 
 
@@ -153,7 +150,7 @@ def _parts(packing: Packing, leaves: list[Any]) -> tuple[tuple[Any, ...], list[A
   return groups, [leaves[i] for i in packing.rest]
 
 
-def _placed(packing: Packing, leaves: list[Any], groups: Any, rest: Any) -> list[Any]:
+def _refilled(packing: Packing, leaves: list[Any], groups: Any, rest: Any) -> list[Any]:
   """``leaves`` (a packed accumulator's) with the group buffers and other
   leaves put in their places; the placeholders stay where they are."""
   for group, buffer in zip(packing.groups, groups, strict=True):
@@ -180,7 +177,7 @@ def _unpacked(packing: Packing, groups: Any, rest: Any, xp: Any = jnp) -> Any:
   return jax.tree.unflatten(packing.treedef, out)
 
 
-def _packed(packing: Packing, acc: Any) -> tuple[tuple[Any, ...], list[Any]]:
+def _packed(acc: Any, packing: Packing) -> tuple[tuple[Any, ...], list[Any]]:
   """Inside a program: one sum's leaves as (group buffers, other leaves)."""
   leaves = jax.tree.leaves(acc)
   groups = tuple(
@@ -209,7 +206,7 @@ class Recent:
     return self.tree
 
 
-class PackedPrograms(Programs):
+class PackedBodies(Bodies):
   """The train step's bodies with the accumulator packed inside the program.
 
   Each micro-batch's gradient is packed as the sums are (one concatenation
@@ -218,19 +215,19 @@ class PackedPrograms(Programs):
   The arithmetic is the same, element by element.
   """
 
-  def __init__(self, bodies: Programs, packing: Packing):
+  def __init__(self, bodies: Bodies, packing: Packing):
     super().__init__(bodies.loss_fn, bodies.optimizer, bodies.has_aux, bodies.reduction)
     self.packing = packing
 
   def accumulated(self, grads: Any) -> Any:
-    return _packed(self.packing, grads)
+    return _packed(grads, self.packing)
 
   def as_params(self, acc: Any) -> Any:
     return _unpacked(self.packing, *acc)
 
 
 class PackedProgram:
-  """A :class:`Program` of :class:`PackedPrograms`' bodies, called with the
+  """A :class:`Program` of :class:`PackedBodies`' bodies, called with the
   accumulator in the state's packed layout: the host passes only the group
   buffers and the unpacked leaves, and puts the results back in the
   placeholders' tree."""
@@ -246,7 +243,7 @@ class PackedProgram:
   def __call__(self, inputs: Inputs) -> Outputs:
     inputs, leaves = self._split(inputs)
     out = self.program(inputs)
-    placed = _placed(self.packing, leaves, *out.acc)
+    placed = _refilled(self.packing, leaves, *out.acc)
     return out._replace(acc=self.recent.tree_of(placed))
 
   def lower(self, inputs: Inputs) -> jax.stages.Lowered:
@@ -255,21 +252,21 @@ class PackedProgram:
 
 class PackedUpdate:
   """The update program on a packed accumulator, run as two: ``accumulate``
-  adds the micro-batch, ``finish`` ends the window (faster than one program
+  adds the micro-batch, ``ending`` ends the window (faster than one program
   on XLA:CPU where dispatch weighs as much as the work; ``docs/benchmarks.md``).
   ``merged`` (the update body as one program) is what :meth:`lower` gives for
   XLA's analyses: its peak memory bounds each of the two's.
   """
 
   def __init__(
-    self, accumulate: PackedProgram, finish: PackedProgram, merged: PackedProgram
+    self, accumulate: PackedProgram, ending: PackedProgram, merged: PackedProgram
   ):
-    self.accumulate, self.finish, self.merged = accumulate, finish, merged
+    self.accumulate, self.ending, self.merged = accumulate, ending, merged
 
   def __call__(self, inputs: Inputs) -> Outputs:
     added = self.accumulate(inputs._replace(inner=None, end_window=None))
     ends = inputs._replace(acc=added.acc, counters=added.counters, batch=None)
-    return self.finish(ends._replace(rng=None))._replace(aux=added.aux)
+    return self.ending(ends._replace(rng=None))._replace(aux=added.aux)
 
   def lower(self, inputs: Inputs) -> jax.stages.Lowered:
     return self.merged.lower(inputs)

@@ -1,8 +1,9 @@
-"""The train step's in-graph programs: accumulate, update (in place) and scan,
-and finish (update's end of the window alone).
+"""The bodies of the train step's programs: accumulate, update (in place),
+scan, and ending (update's end of the window alone).
 
 Built from the window arithmetic, a reduction policy and the state
-transitions of :mod:`optax_accum._core._multi_steps`. Each program takes the
+transitions of :mod:`optax_accum._core._transitions`. Each body maps
+:class:`~optax_accum._step._signature.Inputs` to ``Outputs``: the
 params-sized parts of the optimizer state (inner state, accumulator) apart
 from its counters, so the caller can donate the former and keep the latter.
 """
@@ -99,7 +100,7 @@ def metrics(
   return out
 
 
-class Programs:
+class Bodies:
   """The in-graph bodies of a train step, for one reduction policy.
 
   With ``reduction.at_window_end`` the accumulator is this replica's partial
@@ -267,7 +268,7 @@ class Programs:
     added, counted, aux = self._add(params, state, inputs.batch, inputs.rng)
     return self._ended(added, counted, inputs.end_window, params)._replace(aux=aux)
 
-  def finish(self, inputs: Inputs) -> Outputs:
+  def ending(self, inputs: Inputs) -> Outputs:
     """:meth:`update`'s second half, after :meth:`accumulate` added the
     micro-batch (the batch is not read): the window ends if it is full or
     ``end_window``. Where every micro-batch counts (no

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from optax_accum._core._checks import axes as _axes
 from optax_accum._core._reduction import AxisName
-from optax_accum._step._programs import Programs
+from optax_accum._step._programs import Bodies
 from optax_accum._step._signature import (
   ACCUMULATE_DONATES,
   UPDATE_DONATES,
@@ -222,7 +222,7 @@ def has_partial_sums(acc: Any, params: Any) -> bool:
 
 
 def sharded_programs(
-  layout: DataLayout, bodies: Programs, *, scan: bool, donate: bool
+  layout: DataLayout, bodies: Bodies, *, scan: bool, donate: bool
 ) -> Pair:
   """The step's accumulate and update programs, run in a ``shard_map``.
 

@@ -1,6 +1,6 @@
 """The one signature of a train step's programs: what each takes and returns.
 
-Every program (accumulate, update, scan, finish) and every layout of the
+Every program (accumulate, update, scan, ending) and every layout of the
 accumulator (one sum, packed, per replica, deferred) maps :class:`Inputs` to
 :class:`Outputs`; a layout changes fields (``acc``, ``aux``), never positions.
 """

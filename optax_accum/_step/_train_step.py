@@ -24,8 +24,8 @@ from optax_accum._core._state import check_single_accumulation
 from optax_accum._core._transitions import with_window
 from optax_accum._step._layouts import Layout, Layouts, avals, is_traced
 from optax_accum._step._programs import (
+  Bodies,
   Metrics,
-  Programs,
   counters,
   joined,
   learning_rate,
@@ -166,7 +166,7 @@ class TrainStep:
     self.mode = mode
     self.has_aux = has_aux
     self.donate = donate
-    self._bodies = Programs(
+    self._bodies = Bodies(
       loss_fn, optimizer, has_aux, _reduction.policy(optimizer.config.axis_name)
     )
     bodies = self._bodies
@@ -255,7 +255,7 @@ class TrainStep:
   ) -> tuple[Any, MultiStepsState, Layout]:
     """The inner optimizer's own state in an empty window, arranged, and its
     layout. Where the call runs on one sum the window's sums live only inside
-    the program (``Programs.scan``): the state has ``None`` for them."""
+    the program (``Bodies.scan``): the state has ``None`` for them."""
     if self._layouts.on_one_sum(params, inner, batch):
       return params, self._around(params, inner, sums=False), None
     state = self._around(params, inner, sums=True)
