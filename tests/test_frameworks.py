@@ -492,3 +492,20 @@ def test_documented_step_signatures_match_the_step():
       assert signature == documented, f"{path.name}: step({signature})"
       found += 1
   assert found >= 2  # The README's and make_train_step's at least.
+
+
+def test_pages_suggesting_plain_nnx_optimizer_say_its_step_counts_micro_batches():
+  """Issue 43, item 10: a paragraph that suggests ``nnx.Optimizer(model,
+  optax_accum.MultiSteps(...))`` says that its ``step`` then counts
+  micro-batches, as docs/frameworks.md does (docs/recipes.md did not)."""
+  found = 0
+  for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    prose = re.sub(r"```.*?```", "", path.read_text(), flags=re.DOTALL)
+    for paragraph in prose.split("\n\n"):
+      flat = re.sub(r"\s+", " ", paragraph)
+      if "nnx.Optimizer(model" in flat and "MultiSteps" in flat:
+        found += 1
+        assert re.search(r"step` (then )?counts (micro-batches|calls)", flat), (
+          f"{path.name}: {flat}"
+        )
+  assert found >= 1

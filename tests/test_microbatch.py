@@ -15,6 +15,7 @@ import pytest
 import toy_lm
 
 import optax_accum
+from optax_accum._core import _checks
 
 MEAN = optax.microbatching.AccumulationType.MEAN
 K = 4  # micro-batches of 2 rows: micro-batch i holds rows i and i + 4
@@ -163,11 +164,11 @@ def _pairs(values, weights, *, jit=True):
 
 @JIT
 def test_bad_weights_and_zero_weight_nan_values_add_nothing(jit):
-  """Weight 0 with a NaN value, negative, NaN and inf weights: dropped, as in
+  """Weight 0 with a NaN value, NaN and inf weights: dropped, as in
   MultiSteps. A NaN value with positive weight spoils the mean, as it would
   spoil the whole batch."""
-  values = jnp.array([2.0, jnp.nan, 50.0, 60.0, 70.0, 4.0])
-  weights = [1.0, 0.0, -1.0, jnp.nan, jnp.inf, 3.0]
+  values = jnp.array([2.0, jnp.nan, 60.0, 70.0, 4.0])
+  weights = [1.0, 0.0, jnp.nan, jnp.inf, 3.0]
   mean, total = _pairs(values, weights, jit=jit)
   assert (float(mean), float(total)) == (3.5, 4.0)
 
@@ -244,3 +245,85 @@ def test_bad_outputs_raise_at_trace_time(fun, message):
   )
   with pytest.raises(ValueError, match=message):
     microbatched(jnp.ones(4))
+
+
+def _scalar_loss(params, x):
+  return jnp.mean((jax.tree.leaves(params)[0].sum() * x - 3.0) ** 2)
+
+
+@pytest.mark.parametrize(
+  ("params", "got"),
+  [
+    ({"w": jnp.ones(3)}, r"got a tree with leaves \['w'\] \(3,\)"),
+    (jnp.ones(3), r"got shape \(3,\)"),
+  ],
+  ids=["dict", "array"],
+)
+def test_value_and_grad_output_without_weight_is_refused_up_front(params, got):
+  """Issue 43, item 4: ``jax.value_and_grad`` output, ``(loss, grads)``, has
+  no weight. Refused when traced, with what was found and the shape expected
+  (before: ``AttributeError: 'dict' object has no attribute 'dtype'``, or a
+  message that did not say what to return)."""
+  microbatched = optax.microbatch(
+    jax.value_and_grad(_scalar_loss),
+    argnums=1,
+    microbatch_size=2,
+    accumulator=optax_accum.weighted_mean_accumulator(),
+  )
+  with pytest.raises(ValueError, match=got + r".*return \(\(loss, grads\), weight\)"):
+    jax.eval_shape(microbatched, params, jnp.arange(4.0))
+
+
+@JIT
+def test_a_scalar_params_gradient_as_weight_is_not_silent(jit):
+  """Issue 43, item 4: for one scalar param, ``(loss, grad)`` has the shape of
+  ``(value, weight)``. Its gradient is negative here, so every micro-batch
+  was dropped and the result was (0.0, 0.0), where the whole batch gives
+  (5.175, -10.5): a negative weight now makes the result NaN."""
+  fun = jax.value_and_grad(_scalar_loss)
+  microbatched = optax.microbatch(
+    fun, 1, 2, accumulator=optax_accum.weighted_mean_accumulator()
+  )
+  x = jnp.arange(1.0, 5.0)
+  whole_loss, whole_grad = fun(jnp.float32(0.3), x)
+  assert float(whole_grad) < 0 < float(whole_loss)
+  loss, weight = (jax.jit(microbatched) if jit else microbatched)(jnp.float32(0.3), x)
+  assert np.isnan(float(loss)) and np.isnan(float(weight))
+
+
+def test_a_negative_weight_makes_the_mean_nan():
+  """One negative weight among good ones: the mean is NaN (no count is
+  negative), where an integer weight keeps the kept micro-batches' total."""
+  mean, total = _pairs(jnp.array([2.0, 4.0, 8.0]), [1.0, -1.0, 3.0])
+  assert np.isnan(float(mean)) and np.isnan(float(total))
+  mean, total = _pairs(jnp.array([2.0, 4.0, 8.0]), jnp.array([1, -1, 3], jnp.int32))
+  assert np.isnan(float(mean)) and total.dtype == jnp.int32 and int(total) == 4
+
+
+# -- what a loss_fn returned, in words (issue 43, item 8) -----------------------
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+def test_a_loss_fn_returning_a_scalar_is_told_to_return_loss_and_weight(mode):
+  """A bare scalar loss was reported as "got LinearizeTracer" (the tracer the
+  gradient sees); the message now says a scalar came back."""
+  opt = optax_accum.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+  step = optax_accum.make_train_step(lambda p, b: (b @ p["w"]).mean(), opt, mode=mode)
+  params = {"w": jnp.ones(3)}
+  batch = jnp.ones((2, 4, 3)) if mode == "scan" else jnp.ones((4, 3))
+  with pytest.raises(
+    ValueError,
+    match=r"`loss_fn` must return \(loss, weight\) with has_aux=False, "
+    r"got a scalar \(float32\[\]\)\.",
+  ):
+    step(params, opt.init(params), batch)
+
+
+def test_a_tracer_is_described_by_its_shape_and_dtype():
+  """The helper the message comes from, given what ``jax.value_and_grad``
+  hands it."""
+  seen = []
+  jax.value_and_grad(lambda x: seen.append(_checks.describe_output(x)) or x.sum())(
+    jnp.ones(3)
+  )
+  assert seen == ["an array (float32[3])"]

@@ -6,6 +6,7 @@ reseeds its dropout stream with the key the step gives each micro-batch.
 """
 
 import functools
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ import pytest
 from flax import nnx
 
 import optax_accum
+from optax_accum._core import _checks
 
 FEATURES, HIDDEN, CLASSES, ROWS, TIME, K, UPDATES = 6, 32, 5, 16, 10, 4, 6
 
@@ -77,6 +79,44 @@ def test_a_dropout_model_needs_the_rest_of_its_state_split_off():
   variables = jax.tree.leaves(rest, is_leaf=lambda v: isinstance(v, nnx.Variable))
   kinds = {type(v) for v in variables}
   assert kinds == {nnx.RngKey, nnx.RngCount}
+
+
+_RECIPE = r'see "Flax NNX with dropout" in docs/recipes\.md'
+
+
+def _whole_model_trees():
+  """What a user passes as ``params`` by mistake: the whole state, or the
+  model itself (an NNX module is a pytree)."""
+  model = DropoutMLP(nnx.Rngs(params=0, dropout=1))
+  return {"nnx.split(model)": nnx.split(model)[1], "model": model}
+
+
+@pytest.mark.parametrize("tree", ["nnx.split(model)", "model"])
+def test_rng_state_passed_as_params_points_to_the_recipe(tree):
+  """Issue 43, item 8: the dropout's RNG counter (uint32) and key are not
+  params; the error names the leaf and the recipe that splits them off, where
+  it said only "only floating-point leaves can be accumulated". Raised by
+  ``MultiSteps.init``, the first call that sees the params."""
+  params = _whole_model_trees()[tree]
+  opt = optax_accum.MultiSteps(ADAMW, every_k_schedule=K)
+  with pytest.raises(
+    ValueError, match=r"leaf .*count.* has dtype uint32: .*" + _RECIPE
+  ):
+    opt.init(params)
+
+
+def test_the_rng_state_check_names_the_key_and_the_recipe():
+  """The check ``MultiSteps.init`` calls, on its own; the section it points
+  to exists."""
+  params = _whole_model_trees()["nnx.split(model)"]
+  with pytest.raises(
+    ValueError, match=r"a PRNG key at \['dropout'\]\['rngs'\]\['key'\]"
+  ):
+    _checks.check_trainable_leaves(params, name="params")
+  _, trainable, _ = _split_model()
+  _checks.check_trainable_leaves(trainable, name="params")
+  recipes = (pathlib.Path(__file__).parent.parent / "docs" / "recipes.md").read_text()
+  assert "\n## Flax NNX with dropout\n" in recipes
 
 
 # -- per-sequence keys: dropout masks that do not depend on the split -----------

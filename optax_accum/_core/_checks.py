@@ -153,3 +153,66 @@ def axes(axis_name: str | tuple[str, ...] | None) -> tuple[str, ...]:
   if axis_name is None:
     return ()
   return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def check_trainable_leaves(tree: Any, *, name: str) -> None:
+  """:func:`check_inexact_leaves`, pointing RNG state to the recipe that splits it.
+
+  A tree that holds PRNG keys (a Flax NNX model with ``nnx.Dropout``, or its
+  whole ``nnx.split`` state) fails on its key or its counter, neither of
+  which is a parameter: the error names that leaf and the NNX dropout recipe.
+
+  Examples:
+    >>> check_trainable_leaves({'w': jnp.ones(2)}, name='params')
+    >>> tree = {'w': jnp.ones(2), 'rngs': {'count': jnp.uint32(0),
+    ...                                   'key': jax.random.key(0)}}
+    >>> check_trainable_leaves(tree, name='params')
+    Traceback (most recent call last):
+      ...
+    ValueError: `params` leaf ['rngs']['count'] has dtype uint32: ... docs/recipes.md.
+  """
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  keys = [path for path, leaf in leaves if _is_prng_key(leaf)]
+  if keys:
+    for path, leaf in leaves:
+      dtype = leaf.dtype if hasattr(leaf, "dtype") else jnp.result_type(leaf)
+      if not jnp.issubdtype(dtype, jnp.inexact):
+        raise ValueError(
+          f"`{name}` leaf {jax.tree_util.keystr(path)} has dtype {dtype}: "
+          f"`{name}` holds RNG state (a PRNG key at "
+          f"{jax.tree_util.keystr(keys[0])}), such as a Flax NNX model's "
+          "nnx.Dropout or nnx.Rngs key and counter, which cannot be trained. "
+          "Pass only the params, `graphdef, params, rest = nnx.split(model, "
+          "nnx.Param, ...)`, and merge `rest` back inside `loss_fn`, reseeded "
+          'with the key the step gives it: see "Flax NNX with dropout" in '
+          "docs/recipes.md."
+        )
+  check_inexact_leaves(tree, name=name)
+
+
+def _is_prng_key(leaf: Any) -> bool:
+  dtype = getattr(leaf, "dtype", None)
+  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def describe_output(value: Any) -> str:
+  """What a user function returned, in words for an error message.
+
+  An array, or a tracer of one, by its shape and dtype (a tracer's type name,
+  ``LinearizeTracer``, tells the user nothing); anything else by its type.
+
+  Examples:
+    >>> describe_output(jnp.float32(1.0)), describe_output(jnp.ones((2, 3)))
+    ('a scalar (float32[])', 'an array (float32[2,3])')
+    >>> describe_output(2.5), describe_output([1, 2]), describe_output(None)
+    ('a scalar (Python float)', 'a list', 'None')
+  """
+  if value is None:
+    return "None"
+  if isinstance(value, bool | int | float | complex):
+    return f"a scalar (Python {type(value).__name__})"
+  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+  if isinstance(shape, tuple) and dtype is not None:
+    typed = f"{dtype}[{','.join(map(str, shape))}]"
+    return f"a scalar ({typed})" if shape == () else f"an array ({typed})"
+  return f"a {type(value).__name__}"

@@ -220,7 +220,7 @@ class MultiSteps:
 
   def init(self, params: optax.Params) -> MultiStepsState:
     """Returns the state for a fresh run: an empty window and no updates."""
-    _checks.check_inexact_leaves(params, name="params")
+    _checks.check_trainable_leaves(params, name="params")
     config = self.config
     window = _terms.empty(params, config.accumulator_dtype, config.terms)
     gradient_step = jnp.zeros([], jnp.int32)

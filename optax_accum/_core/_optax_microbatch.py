@@ -16,16 +16,22 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_accum._core import _reduction, _window
 
 _LOCAL = _reduction.Local()  # optax.microbatch runs under plain jit: values are global.
+_EXPECTED = (
+  "Return (value, weight): value a tree of means over the micro-batch's items, "
+  "weight their number (tokens, samples), one scalar. With jax.value_and_grad, "
+  "return ((loss, grads), weight)."
+)
 
 
 @functools.partial(
   jax.tree_util.register_dataclass,
-  data_fields=["window"],
+  data_fields=["window", "negative"],
   meta_fields=["value_dtypes", "weight_dtype"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -35,11 +41,13 @@ class _Carry:
   Attributes:
     window: ``acc_grads`` holds ``sum_i w_i v_i`` (like the value, float32 at
       least), ``acc_weight`` holds ``sum_i w_i``.
+    negative: int32 ``[]``. Micro-batches whose weight was negative.
     value_dtypes: Static. The dtype of each value leaf, in tree order.
     weight_dtype: Static. The weight's dtype.
   """
 
   window: _window.Window
+  negative: jax.Array
   value_dtypes: tuple[Any, ...]
   weight_dtype: Any
 
@@ -59,8 +67,19 @@ def weighted_mean_accumulator() -> optax.microbatching.Accumulator:
     no items is 0/0).
   - A batch of total weight 0 gives zeros and weight 0, never NaN: skip the
     update when the returned weight is 0.
-  - A negative, NaN or inf weight drops its micro-batch, as in
+  - A NaN or inf weight drops its micro-batch, as in
     :class:`optax_accum.MultiSteps`.
+  - A negative weight makes the mean NaN, and the weight too where it is
+    floating: no count of items is negative, so the function returned
+    something else there, such as a gradient (``jax.value_and_grad`` output
+    with no weight, for a scalar param). ``MultiSteps`` drops such a
+    micro-batch and counts it in its state; this accumulator has no state to
+    count it in, and dropping it alone would be silent.
+  - The output's structure is checked when traced: ``weight`` must be one
+    scalar, so ``(loss, grads)`` for array or pytree params is refused with
+    the shape expected, ``((loss, grads), weight)``. For one scalar param,
+    ``(loss, grad)`` has the shape of ``(value, weight)``: only a negative
+    gradient shows, as above.
   - A NaN or inf value with positive weight makes the mean non-finite, as it
     would on the whole batch.
   - Sums are float32 at least (wider leaves keep their dtype); the mean comes
@@ -103,9 +122,32 @@ def _pair(output: Any) -> tuple[Any, Any]:
   if not (isinstance(output, tuple | list) and len(output) == 2):
     raise ValueError(
       "weighted_mean_accumulator: the microbatched function must return "
-      f"(value, weight), got {jax.tree.structure(output)}."
+      f"(value, weight), got {jax.tree.structure(output)}. {_EXPECTED}"
     )
   return output[0], output[1]
+
+
+def _check_weight(weight: Any) -> None:
+  """Raises ``ValueError`` unless ``weight`` is one scalar, naming what it is.
+
+  A tree or an array there is most often a gradient: ``jax.value_and_grad``
+  output, ``(loss, grads)``, returned without the weight.
+  """
+  leaves = jax.tree_util.tree_flatten_with_path(weight)[0]
+  if not (len(leaves) == 1 and not leaves[0][0]):
+    shapes = [f"{jax.tree_util.keystr(path)} {np.shape(x)}" for path, x in leaves]
+    got = f"leaves {', '.join(shapes[:4])}{', ...' if len(shapes) > 4 else ''}"
+    raise ValueError(
+      "weighted_mean_accumulator: `weight` must be a scalar, got a tree with "
+      f"{got if leaves else 'no leaves'} as the output's second element: "
+      f"gradients? {_EXPECTED}"
+    )
+  if np.shape(weight) != ():
+    raise ValueError(
+      "weighted_mean_accumulator: `weight` must be a scalar, got shape "
+      f"{np.shape(weight)} as the output's second element: a gradient? "
+      f"{_EXPECTED}"
+    )
 
 
 def _check_floating(value: Any) -> None:
@@ -116,16 +158,20 @@ def _check_floating(value: Any) -> None:
         f"weighted_mean_accumulator: value leaf {jax.tree_util.keystr(path)} "
         f"has dtype {leaf.dtype}; a weighted mean needs floating-point leaves. "
         "Give integer outputs their own accumulator (a tree such as "
-        "(weighted_mean_accumulator(), AccumulationType.SUM))."
+        "(weighted_mean_accumulator(), AccumulationType.SUM)); for "
+        "jax.value_and_grad(..., has_aux=True) output, ((loss, weight), grads), "
+        "return ((loss, grads), weight)."
       )
 
 
 def _init(output_like: Any) -> _Carry:
   """Empty sums for an output shaped like ``output_like``."""
   value, weight = _pair(output_like)
+  _check_weight(weight)
   _check_floating(value)
   dtypes = tuple(jnp.dtype(leaf.dtype) for leaf in jax.tree.leaves(value))
-  return _Carry(_window.empty(value), dtypes, jnp.dtype(weight.dtype))
+  negative = jnp.zeros([], jnp.int32)
+  return _Carry(_window.empty(value), negative, dtypes, jnp.dtype(weight.dtype))
 
 
 def _update(carry: _Carry, output: Any, index: Any) -> _Carry:
@@ -134,18 +180,32 @@ def _update(carry: _Carry, output: Any, index: Any) -> _Carry:
   value, weight = _pair(output)
   kept = _window.admit(carry.window, value, None, weight, reduction=_LOCAL)
   window = _window.add(carry.window, value, None, kept, reduction=_LOCAL)
-  return dataclasses.replace(carry, window=window)
+  negative = carry.negative + (jnp.asarray(weight) < 0).astype(jnp.int32)
+  return dataclasses.replace(carry, window=window, negative=negative)
 
 
 def _finalize(carry: _Carry) -> tuple[Any, jax.Array]:
-  """``(weighted mean, total weight)``; zeros where the total weight is 0."""
+  """``(weighted mean, total weight)``; zeros where the total weight is 0, NaN
+  after a negative weight."""
   window = carry.window
   total = window.acc_weight
   # Without weight nothing was added: the sums are zeros, and so is sum / 1.
   divisor = jnp.where(total > 0, total, jnp.ones_like(total))
   like = jax.tree.unflatten(jax.tree.structure(window.acc_grads), carry.value_dtypes)
   mean = _window.gradient(window._replace(acc_weight=divisor), like)
-  return mean, total.astype(carry.weight_dtype)
+  total = total.astype(carry.weight_dtype)
+  return _poisoned(mean, carry.negative > 0), _poisoned(total, carry.negative > 0)
+
+
+def _poisoned(tree: Any, bad: jax.Array) -> Any:
+  """``tree`` with its floating leaves NaN where ``bad``; other leaves as they are."""
+
+  def leaf(x: jax.Array) -> jax.Array:
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+      return x
+    return jnp.where(bad, jnp.full_like(x, jnp.nan), x)
+
+  return jax.tree.map(leaf, tree)
 
 
 def _aggregate(rows: Any) -> tuple[Any, jax.Array]:

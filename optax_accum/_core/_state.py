@@ -63,9 +63,10 @@ class MultiStepsState(NamedTuple):
       without one.
     micro_batches_seen: int32 ``[]``, saturating. Every micro-batch the
       accumulator has seen in the run, whatever became of it (rejected,
-      dropped, of weight 0, in a skipped window). ``make_train_step`` gives the run's ``n``-th
-      micro-batch the key ``jax.random.fold_in(rng, n)`` with this count, so
-      no two micro-batches of a run share a key (for the first ``2**31 - 1``).
+      dropped, of weight 0, in a skipped window). ``make_train_step`` gives
+      the run's ``n``-th micro-batch the key ``jax.random.fold_in(rng, n)``
+      with this count, so no two micro-batches of a run share a key (for the
+      first ``2**31 - 1``).
       A state built by hand without it starts at 0.
     last_window_loss: Like ``acc_weight``. The loss of the window that ended
       last (:meth:`MultiSteps.window_loss` at its end), whether or not it

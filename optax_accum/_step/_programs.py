@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum._core import _reduction, _terms
+from optax_accum._core import _checks, _reduction, _terms
 from optax_accum._core import _transitions as ms
 from optax_accum._core._hyperparams import get_hyperparams
 from optax_accum._core._multi_steps import MultiSteps
@@ -197,11 +197,11 @@ class Bodies:
         )
       )
     if not (isinstance(out, tuple) and len(out) == 2):
-      raise ValueError(self._contract(f"got {type(out).__name__}"))
+      raise ValueError(self._contract(f"got {_checks.describe_output(out)}"))
     value, rest = out
     if self.has_aux:
       if not (isinstance(rest, tuple) and len(rest) == 2):
-        raise ValueError(self._contract(f"got (loss, {type(rest).__name__})"))
+        raise ValueError(self._contract(f"got (loss, {_checks.describe_output(rest)})"))
       return value, rest
     if isinstance(rest, tuple | list | dict):
       raise ValueError(
