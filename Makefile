@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint typecheck notebooks docs bench clean
+.PHONY: demo test test-accelerator lint typecheck notebooks docs bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,13 @@ demo: $(STAMP)
 ## test: lint, type check, then the whole suite (doctests and notebooks too).
 test: lint typecheck
 	$(PY) -m pytest -n 2 --cpu-durations=15
+
+## test-accelerator: the suite on a GPU beside the 8 simulated CPU devices (float32
+## matmuls at "highest"; tests/conftest.py, docs/accelerators.md). Needs a jax with
+## CUDA in $(VENV) (JAX's installation guide); OPTAX_ACCUM_TEST_PLATFORM=tpu,cpu on a TPU.
+## pytest-benchmark, if installed, is left out: it cannot time under xdist.
+test-accelerator: $(STAMP)
+	OPTAX_ACCUM_TEST_PLATFORM=$${OPTAX_ACCUM_TEST_PLATFORM:-cuda,cpu} $(PY) -m pytest -p no:benchmark -n 2 --cpu-durations=15
 
 lint: $(STAMP)
 	$(PY) -m ruff check optax_accum tests benchmarks examples docs/conf.py docs/mathtext_svg.py

@@ -1,5 +1,16 @@
 """Test-wide JAX settings: 8 simulated CPU devices and strict numerics.
 
+The suite runs on CPU unless ``OPTAX_ACCUM_TEST_PLATFORM`` names other
+platforms, as ``JAX_PLATFORMS`` would: ``cuda,cpu`` or ``tpu,cpu`` (``make
+test-accelerator``) runs it on the accelerator, with the 8 simulated CPU
+devices beside it for the tests that ask for CPU devices; the tests that need
+8 devices of the default backend skip. There, float32 matmuls run at
+``"highest"`` precision (on recent NVIDIA GPUs the default is TF32, about 3e-4
+apart from the whole batch; ``tests/test_accelerator.py`` measures it), and
+each process allocates GPU memory as it goes, so that two xdist workers share
+one GPU. An outer ``JAX_DEFAULT_MATMUL_PRECISION`` or
+``XLA_PYTHON_CLIENT_PREALLOCATE`` is kept.
+
 Also reports progress per test file: a line as each file finishes (under
 pytest-xdist too) with its outcomes and the CPU seconds its tests took, and
 ``--cpu-durations=N`` lists the N tests that took the most CPU time (user +
@@ -23,10 +34,23 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
   os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
   ).strip()
+if os.environ.get("OPTAX_ACCUM_TEST_PLATFORM", "").strip():
+  os.environ["JAX_PLATFORMS"] = os.environ["OPTAX_ACCUM_TEST_PLATFORM"].strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# An accelerator first: through the environment, for workers and subprocesses too.
+if os.environ["JAX_PLATFORMS"].split(",")[0] != "cpu":
+  os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax
 import pytest
+
+#: Whether the tests run on an accelerator: the first platform named is not the CPU.
+ACCELERATOR = os.environ["JAX_PLATFORMS"].split(",")[0] != "cpu"
+if ACCELERATOR:
+  jax.config.update(
+    "jax_default_matmul_precision", os.environ["JAX_DEFAULT_MATMUL_PRECISION"]
+  )
 
 # Strict dtype promotion is not set globally: optax's own schedules and
 # optax.MultiSteps mix Python floats with int32 counts. Our code is pinned to it
@@ -226,6 +250,8 @@ def pytest_report_header(config):
     f"float64 reference: {examples} examples ({size}; "
     "OPTAX_ACCUM_REFERENCE_EXAMPLES=2000 for the long run)",
     f"JAX compilation cache: {cache}",
+    f"JAX platforms: {os.environ['JAX_PLATFORMS']} (OPTAX_ACCUM_TEST_PLATFORM), "
+    f"matmul precision: {jax.config.jax_default_matmul_precision or 'default'}",
   ]
 
 
