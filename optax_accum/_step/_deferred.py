@@ -41,6 +41,7 @@ from optax_accum._step._signature import (
   Outputs,
   Pair,
   Program,
+  renamed,
 )
 
 
@@ -165,7 +166,7 @@ def _in_layout(layout: DataLayout, body: Body) -> Body:
     out = body(inputs._replace(acc=_view(layout, inputs.acc)))
     return out._replace(acc=_stacked(layout, out.acc))
 
-  return run
+  return renamed(run, body)
 
 
 def programs(layout: DataLayout, bodies: Bodies, *, scan: bool, donate: bool) -> Pair:

@@ -31,6 +31,7 @@ from optax_accum._step._signature import (
   Outputs,
   Pair,
   Program,
+  renamed,
 )
 
 
@@ -242,7 +243,7 @@ def sharded_programs(
       out = body(inputs._replace(acc=jax.tree.map(lambda a: a[0], inputs.acc)))
       return out._replace(acc=_stack(out.acc), aux=_stack(out.aux, aux_axis))
 
-    return run
+    return renamed(run, body)
 
   def program(body: Body, donates: tuple[str, ...], aux_rows: P) -> Program:
     outputs = Outputs(whole, whole, split, whole, whole, aux_rows)

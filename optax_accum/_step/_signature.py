@@ -73,6 +73,8 @@ class Program:
     def flat(*fields: Any) -> Outputs:
       return body(Inputs(*fields))
 
+    flat.__name__ = flat.__qualname__ = named(body)  # What jit logs and profiles.
+
     argnums = tuple(Inputs._fields.index(name) for name in donates) if donate else ()
     self.jitted = jax.jit(
       flat if mapped is None else mapped(flat), donate_argnums=argnums
@@ -83,6 +85,17 @@ class Program:
 
   def lower(self, inputs: Inputs) -> jax.stages.Lowered:
     return self.jitted.lower(*inputs)
+
+
+def named(body: Body) -> str:
+  """A body's name, through the layouts' wrappers (see :func:`renamed`)."""
+  return getattr(body, "__name__", "program")
+
+
+def renamed(wrapper: Body, body: Body) -> Body:
+  """``wrapper`` named as ``body``, whose program it builds."""
+  wrapper.__name__ = wrapper.__qualname__ = named(body)
+  return wrapper
 
 
 class Pair(NamedTuple):
