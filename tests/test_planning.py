@@ -404,7 +404,11 @@ def test_budget_that_fits_the_state_but_no_micro_batch():
     (_batch(8), 0, "`global_batch` must be >= 1 row, got 0"),
     (_batch(8), 2.5, "`global_batch` must be an int"),
     ({"x": np.zeros((8, 3)), "n": np.float32(8)}, None, r"leaf \['n'\] has shape \(\)"),
-    ({"x": np.zeros((8, 3)), "y": np.zeros((6,))}, None, r"sizes \[6, 8\]"),
+    (
+      {"x": np.zeros((8, 3)), "y": np.zeros((6,))},
+      None,
+      r"\['x'\] has 8 rows, \['y'\] has 6",
+    ),
     ({}, None, "`batch` has no arrays"),
   ],
 )

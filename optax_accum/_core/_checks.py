@@ -216,3 +216,35 @@ def describe_output(value: Any) -> str:
     typed = f"{dtype}[{','.join(map(str, shape))}]"
     return f"a scalar ({typed})" if shape == () else f"an array ({typed})"
   return f"a {type(value).__name__}"
+
+
+def batch_leaves(batch: Any) -> list[tuple[Any, Any]]:
+  """``batch``'s leaves with their paths; ``ValueError`` unless there is one
+  and every leaf has the same leading (batch) axis, naming the first leaf and
+  the first that differs.
+
+  Examples:
+    >>> batch_leaves({"x": jnp.zeros(8), "y": jnp.zeros(4)})
+    Traceback (most recent call last):
+      ...
+    ValueError: `batch` leaves disagree on the batch size (leading axis): ['x'] ...
+  """
+  leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+  if not leaves:
+    raise ValueError("`batch` has no arrays.")
+  first_path, first = leaves[0]
+  for path, leaf in leaves:
+    shape = np.shape(leaf)
+    if not shape:
+      raise ValueError(
+        f"`batch` leaf {jax.tree_util.keystr(path)} has shape (): every leaf "
+        "needs a leading batch axis."
+      )
+    if shape[0] != np.shape(first)[0]:
+      raise ValueError(
+        "`batch` leaves disagree on the batch size (leading axis): "
+        f"{jax.tree_util.keystr(first_path)} has {np.shape(first)[0]} rows, "
+        f"{jax.tree_util.keystr(path)} has {shape[0]}. Give every leaf the same "
+        "rows, so that micro-batch i takes the same rows of each."
+      )
+  return leaves

@@ -43,27 +43,6 @@ def optimizer_factory(optimizer: Any) -> Callable[[int], MultiSteps]:
   )
 
 
-def batch_leaves(batch: Any) -> list[tuple[Any, Any]]:
-  """The batch's leaves with their paths, each checked for a leading row axis."""
-  leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
-  if not leaves:
-    raise ValueError("`batch` has no arrays.")
-  sizes = set()
-  for path, leaf in leaves:
-    shape = np.shape(leaf)
-    if not shape:
-      raise ValueError(
-        f"`batch` leaf {jax.tree_util.keystr(path)} has shape {shape}: every "
-        "leaf needs a leading row axis."
-      )
-    sizes.add(shape[0])
-  if len(sizes) > 1:
-    raise ValueError(
-      f"`batch` leaves must share their leading row axis, got sizes {sorted(sizes)}."
-    )
-  return leaves
-
-
 def global_batch_rows(global_batch: Any, leaves: list[tuple[Any, Any]]) -> int:
   """``global_batch`` checked; by default the batch's leading size."""
   if global_batch is None:

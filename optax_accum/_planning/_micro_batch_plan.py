@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from optax_accum._core._checks import batch_leaves
 from optax_accum._core._format import size, table
 from optax_accum._planning._compile import PlanCandidate
-from optax_accum._planning._inputs import batch_leaves
 from optax_accum._progress import split_micro_batches
 from optax_accum._step import Mode
 

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import optax
 
-from optax_accum._core._checks import callable_arg, one_of
+from optax_accum._core._checks import batch_leaves, callable_arg, one_of
 from optax_accum._core._format import size
 from optax_accum._core._multi_steps import MultiSteps
 from optax_accum._planning._compile import (
@@ -22,7 +22,6 @@ from optax_accum._planning._compile import (
   compile_candidate,
 )
 from optax_accum._planning._inputs import (
-  batch_leaves,
   data_shards,
   global_batch_rows,
   opt_state_structs,

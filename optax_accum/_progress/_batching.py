@@ -45,11 +45,7 @@ def split_micro_batches(batch: Any, k: int) -> Any:
            [2, 5]])
   """
   k = _checks.whole_number(k, name="k")
-  leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
-  if not leaves:
-    raise ValueError("`batch` has no arrays to split.")
-  _check_one_batch_size(leaves)
-  for path, leaf in leaves:
+  for path, leaf in _checks.batch_leaves(batch):
     shape = np.shape(leaf)
     if shape[0] % k:
       raise ValueError(
@@ -59,29 +55,6 @@ def split_micro_batches(batch: Any, k: int) -> Any:
   return jax.tree.map(
     lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch
   )
-
-
-def _check_one_batch_size(leaves: list[tuple[Any, Any]]) -> None:
-  """Raises ``ValueError`` unless every leaf has the same leading axis.
-
-  Leaves of 8 and 4 rows would split into micro-batches whose rows do not
-  belong together; the error names the first leaf and the first that differs.
-  """
-  first_path, first = leaves[0]
-  for path, leaf in leaves:
-    shape = np.shape(leaf)
-    if not shape:
-      raise ValueError(
-        f"`batch` leaf {jax.tree_util.keystr(path)} has shape (): every leaf "
-        "needs a leading batch axis to split."
-      )
-    if shape[0] != np.shape(first)[0]:
-      raise ValueError(
-        "`batch` leaves disagree on the batch size (leading axis): "
-        f"{jax.tree_util.keystr(first_path)} has {np.shape(first)[0]} rows, "
-        f"{jax.tree_util.keystr(path)} has {shape[0]}. Give every leaf the same "
-        "rows, so that micro-batch i takes the same rows of each."
-      )
 
 
 def causal_lm_target_mask(mask: ArrayLike) -> jax.Array:
