@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike, DTypeLike
 
-from optax_accum._core import _checks, _reduction, _terms
+from optax_accum._core import _backend, _checks, _reduction, _terms
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import (
   WINDOW_MICRO_STEPS,
@@ -307,7 +307,7 @@ class MultiSteps:
       return zeros, unchanged, typed_like(jnp.array(False), finite)
 
     positive = ends & _terms.has_weight(window_of(self.config, added))
-    new_updates, inner, finite = jax.lax.cond(positive, apply, hold)
+    new_updates, inner, finite = _backend.branch(positive, apply, hold)
     new_state = closed(
       self.config,
       added,

@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike, DTypeLike
 
-from optax_accum._core import _checks
+from optax_accum._core import _backend, _checks
 
 
 class Window(NamedTuple):
@@ -268,18 +268,16 @@ def squares(window: Window, like: Any, divide: bool = True) -> jax.Array:
   """The squared norm of :func:`gradient`, NaN exactly when an element of it
   is not finite; inf when only the squares overflow.
 
-  Each element's square is summed in the weight's dtype, plus ``g - g``: NaN
-  exactly when ``g`` is not finite (inf - inf), whether the sum, the product
-  or the cast to a float16 leaf overflowed. One pass serves the finite check
-  and the norm; XLA does not simplify ``x - x`` to 0. (``x * 0`` would do the
-  same, but XLA:CPU then writes a leaf-shaped array of zeros that every
-  leaf's reduction reads.)
+  Each element's square is summed in the weight's dtype, plus the backend's
+  NaN marker (:func:`optax_accum._core._backend.nan_marker`): NaN exactly
+  when ``g`` is not finite, whether the sum, the product or the cast to a
+  float16 leaf overflowed. One pass serves the finite check and the norm.
   """
   dtype = window.acc_weight.dtype
   total = jnp.zeros([], dtype)
   for g in jax.tree.leaves(gradient(window, like, divide)):
     g = jnp.abs(g).astype(dtype)
-    total = total + jnp.sum(jnp.square(g) + (g - g))
+    total = total + jnp.sum(jnp.square(g) + _backend.nan_marker(g))
   return total
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum._core import _checks, _reduction, _terms
+from optax_accum._core import _backend, _checks, _reduction, _terms
 from optax_accum._core import _transitions as ms
 from optax_accum._core._hyperparams import get_hyperparams
 from optax_accum._core._multi_steps import MultiSteps
@@ -44,11 +44,9 @@ def joined(counters: MultiStepsState, inner: Any, acc: Any) -> MultiStepsState:
 
 
 def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
-  """``fn(init)`` if ``pred`` else ``init``, as a loop that runs once or never.
-
-  XLA updates a loop's carry (params, optimizer state) in place, where a
-  ``cond`` or a select between new and old values keeps both alive and copies
-  them first. ``init`` is typed like ``fn``'s outputs (``jax.eval_shape``).
+  """``fn(init)`` if ``pred`` else ``init``, in the backend's form
+  (:func:`optax_accum._core._backend.once_if`); ``init`` is typed like
+  ``fn``'s outputs first (``jax.eval_shape``).
 
   Examples:
     >>> float(once_if(jnp.array(True), lambda x: x + 1, jnp.array(1.0)))
@@ -57,11 +55,7 @@ def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
     1.0
   """
   init = jax.tree.map(ms.typed_like, init, jax.eval_shape(fn, init))
-  return jax.lax.while_loop(
-    lambda carry: carry[0],
-    lambda carry: (jnp.zeros_like(carry[0]), fn(carry[1])),
-    (pred, init),
-  )[1]
+  return _backend.once_if(pred, fn, init)
 
 
 def learning_rate(state: MultiStepsState) -> Any:

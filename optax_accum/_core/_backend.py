@@ -1,0 +1,145 @@
+"""The backend seam: every mechanism whose best form depends on the platform.
+
+Programs are the same maths on every backend; what differs is how XLA runs
+their control flow and what a buffer costs the host:
+
+- **Skipping the optimizer.** XLA:CPU and TPU run a ``while`` loop or a
+  ``cond`` on the device; a loop that runs once or never updates params and
+  optimizer state in place (:func:`once_if`). XLA:GPU copies a data-dependent
+  predicate to the host and waits for the device on every execution, so there
+  the optimizer runs on every call that can end a window and a select keeps
+  the old values where it must not apply (fused into its elementwise
+  kernels). :func:`once_if` and :func:`branch` lower to one or the other for
+  the platform the program is lowered for (``lax.platform_dependent``), so a
+  program traced on a CPU-only machine and lowered for ``cuda`` holds the
+  GPU form.
+- **Packing small leaves** (:class:`Backend` ``max_leaf_size`` and the rest):
+  the host's cost per buffer and XLA:CPU's kernel per small add, measured on
+  XLA:CPU (``docs/benchmarks.md``, many small leaves).
+- **Ending a window in two programs** (``two_programs``): on XLA:CPU, where a
+  dispatch weighs as much as the work, an accumulate program then the
+  window's end beat one program that does both.
+- **The finite check's marker** (:func:`nan_marker`).
+
+The host side asks :func:`of` with :func:`platform_of` the params; the
+programs call :func:`once_if` and :func:`branch`.
+
+Examples:
+  >>> of("cpu").two_programs, of("cuda").two_programs
+  (True, False)
+  >>> import jax.numpy as jnp
+  >>> float(once_if(jnp.array(False), lambda x: x + 1, jnp.array(1.0)))
+  1.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Backend(NamedTuple):
+  """The platform-dependent choices the host makes for a train step.
+
+  Attributes:
+    packs: Whether small leaves' sums share buffers.
+    max_leaf_size: Leaves of at most this many elements are packed.
+    min_leaves: A dtype with fewer small leaves is left as it is.
+    max_group_size: A group holds at most this many elements (its leaves'
+      gradients stay live until they are concatenated).
+    two_programs: Whether the call that ends a window runs the accumulate
+      program and then the window's end, rather than one program.
+  """
+
+  packs: bool = True
+  max_leaf_size: int = 4096
+  min_leaves: int = 16
+  max_group_size: int = 32768
+  two_programs: bool = False
+
+
+#: By platform name (``jax.Device.platform``); others get ``_DEFAULT``.
+_BACKENDS = {"cpu": Backend(two_programs=True)}
+_DEFAULT = Backend()
+
+
+def of(platform: str) -> Backend:
+  """The choices for ``platform`` (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``)."""
+  return _BACKENDS.get(platform, _DEFAULT)
+
+
+def platform_of(tree: Any) -> str:
+  """The platform ``tree``'s arrays live on: the first committed
+  ``jax.Array``'s, else JAX's default backend (abstract shapes, NumPy
+  arrays, tracers)."""
+  for x in jax.tree.leaves(tree):
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+      return next(iter(x.devices())).platform
+  return jax.default_backend()
+
+
+def _loop_once(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
+  return jax.lax.while_loop(
+    lambda carry: carry[0],
+    lambda carry: (jnp.zeros_like(carry[0]), fn(carry[1])),
+    (pred, init),
+  )[1]
+
+
+def _selected(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
+  return jax.tree.map(lambda new, old: jnp.where(pred, new, old), fn(init), init)
+
+
+def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
+  """``fn(init)`` if ``pred`` else ``init``; ``init`` typed like ``fn``'s
+  outputs.
+
+  On CPU and TPU a loop that runs once or never: XLA updates its carry
+  (params, optimizer state) in place, where a ``cond`` or a select keeps both
+  old and new values alive. On GPUs ``fn`` always runs and a select keeps
+  ``init`` where ``pred`` is false: no predicate goes to the host.
+
+  Examples:
+    >>> float(once_if(jnp.array(True), lambda x: x + 1, jnp.array(1.0)))
+    2.0
+  """
+  return jax.lax.platform_dependent(
+    pred, init, cpu=lambda p, i: _loop_once(p, fn, i),
+    tpu=lambda p, i: _loop_once(p, fn, i), default=lambda p, i: _selected(p, fn, i),
+  )
+
+
+def branch(pred: jax.Array, apply: Callable[[], Any], hold: Callable[[], Any]) -> Any:
+  """``apply()`` if ``pred`` else ``hold()`` (typed alike): a ``cond`` on CPU
+  and TPU, both and a select on GPUs.
+
+  Examples:
+    >>> int(branch(jnp.array(False), lambda: jnp.array(1), lambda: jnp.array(2)))
+    2
+  """
+
+  def selected(p: jax.Array) -> Any:
+    return jax.tree.map(lambda a, h: jnp.where(p, a, h), apply(), hold())
+
+  return jax.lax.platform_dependent(
+    pred, cpu=lambda p: jax.lax.cond(p, apply, hold),
+    tpu=lambda p: jax.lax.cond(p, apply, hold), default=selected,
+  )
+
+
+def nan_marker(g: jax.Array) -> jax.Array:
+  """Zeros where ``g`` is finite, NaN where it is not (``g - g``).
+
+  Added to a sum of squares, one pass serves the finite check and the norm.
+  XLA does not simplify ``x - x`` to 0; ``x * 0`` would do the same, but
+  XLA:CPU then writes a leaf-shaped array of zeros that every leaf's
+  reduction reads.
+
+  Examples:
+    >>> nan_marker(jnp.array([1.0, jnp.inf])).tolist()
+    [0.0, nan]
+  """
+  return g - g
