@@ -110,3 +110,67 @@ def _in_loops(bodies: dict[str, list[str]]) -> set[str]:
     in_loop.add(name)
     frontier.extend(called(bodies[name]))
   return in_loop
+
+
+# --- control flow in a lowered (StableHLO) program ---------------------------
+
+_CASE = re.compile(r'%([\w#:]+) = "stablehlo\.case"\(%([\w#]+)\)')
+_WHILE = re.compile(r"stablehlo\.while\(")
+_DEF = r"%{name}(?::\d+)? = (.*)$"
+_CONSTANT = re.compile(r"%([\w#]+) = stablehlo\.constant")
+_COMPARE = re.compile(
+  r"stablehlo\.compare\s+\w+, %(iterArg\w*), %([\w#]+), (?:SIGNED|UNSIGNED)"
+)
+
+
+def data_dependent_control_flow(stablehlo_text: str) -> list[str]:
+  """The ``case`` and ``while`` ops of a lowered program (``Lowered.as_text()``)
+  whose branch or trip count depends on the data: what XLA:GPU decides on the
+  host, copying the predicate there and waiting for the device.
+
+  A ``case`` on a constant (``lax.platform_dependent`` lowered for one
+  platform) and a ``while`` whose condition compares with a constant (a
+  ``lax.scan``, a static ``fori_loop``) are not counted. Each entry is the
+  op's line.
+  """
+  lines = stablehlo_text.splitlines()
+  found = []
+  for i, line in enumerate(lines):
+    case = _CASE.search(line)
+    branches = case is not None and not _constant(lines[:i], case.group(2))
+    loops = _WHILE.search(line) is not None and not _counted(lines[i + 1 :])
+    if branches or loops:
+      found.append(line.strip())
+  return found
+
+
+def _constant(before: list[str], name: str) -> bool:
+  """Whether ``%name``, defined last in ``before``, is a constant, or a
+  ``case`` on a constant whose branches return constants."""
+  pattern = re.compile(_DEF.format(name=re.escape(name)))
+  for j in range(len(before) - 1, -1, -1):
+    found = pattern.search(before[j].strip())
+    if found is None:
+      continue
+    if found.group(1).startswith("stablehlo.constant"):
+      return True
+    case = _CASE.search(before[j])
+    return case is not None and _constant(before[:j], case.group(2))
+  return False
+
+
+def _counted(after: list[str]) -> bool:
+  """Whether the ``while`` whose lines follow counts its trips: its condition
+  compares a loop-carried integer with a constant (a ``lax.scan``, a static
+  ``fori_loop``), not a value computed from the data."""
+  cond = []
+  for line in after:
+    if line.strip().startswith("} do {"):
+      break
+    cond.append(line)
+  constants = {m.group(1) for m in map(_CONSTANT.search, cond) if m}
+  for line in cond:
+    compare = _COMPARE.search(line)
+    if compare and compare.group(2) in constants:
+      return True
+  return False

@@ -107,8 +107,11 @@ def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
     2.0
   """
   return jax.lax.platform_dependent(
-    pred, init, cpu=lambda p, i: _loop_once(p, fn, i),
-    tpu=lambda p, i: _loop_once(p, fn, i), default=lambda p, i: _selected(p, fn, i),
+    pred,
+    init,
+    cpu=lambda p, i: _loop_once(p, fn, i),
+    tpu=lambda p, i: _loop_once(p, fn, i),
+    default=lambda p, i: _selected(p, fn, i),
   )
 
 
@@ -125,8 +128,10 @@ def branch(pred: jax.Array, apply: Callable[[], Any], hold: Callable[[], Any]) -
     return jax.tree.map(lambda a, h: jnp.where(p, a, h), apply(), hold())
 
   return jax.lax.platform_dependent(
-    pred, cpu=lambda p: jax.lax.cond(p, apply, hold),
-    tpu=lambda p: jax.lax.cond(p, apply, hold), default=selected,
+    pred,
+    cpu=lambda p: jax.lax.cond(p, apply, hold),
+    tpu=lambda p: jax.lax.cond(p, apply, hold),
+    default=selected,
   )
 
 
