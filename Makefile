@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-accelerator lint typecheck notebooks docs bench clean
+.PHONY: demo test test-long test-accelerator lint typecheck notebooks docs bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ test: lint typecheck
 test-accelerator: $(STAMP)
 	OPTAX_ACCUM_TEST_PLATFORM=$${OPTAX_ACCUM_TEST_PLATFORM:-cuda,cpu} $(PY) -m pytest -p no:benchmark -n 2 --cpu-durations=15
 
+## test-long: the suite with the opt-in long tests (marked `long`) and 2,000
+## float64 reference examples.
+test-long: $(STAMP)
+	OPTAX_ACCUM_LONG=1 OPTAX_ACCUM_REFERENCE_EXAMPLES=2000 $(PY) -m pytest -n 2 --cpu-durations=15
+
 lint: $(STAMP)
 	$(PY) -m ruff check optax_accum tests benchmarks examples docs/conf.py docs/mathtext_svg.py
 	$(PY) -m ruff format --check optax_accum tests benchmarks examples docs/conf.py docs/mathtext_svg.py
@@ -44,6 +49,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.accumulation $(ARGS)
 	$(PY) -m benchmarks.data_parallel
 	$(PY) -m benchmarks.lm
+	$(PY) -m benchmarks.accelerator
 	$(PY) -m benchmarks.loss_terms
 
 ## notebooks: re-execute the notebooks in place, so their committed outputs are current.

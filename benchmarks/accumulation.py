@@ -202,7 +202,105 @@ def causal_lm(
     mask = (np.arange(length) < lengths).astype(np.float32)
     return {"inputs": text[:, :-1], "targets": text[:, 1:], "mask": mask}
 
-  return {"params": params, "loss_fn": loss_fn, "batch": batch, "rows": micro_batch}
+  count = sum(x.size for x in jax.tree.leaves(params))
+  flops = 6 * count + 12 * blocks * length * width
+  return {
+    "params": params,
+    "loss_fn": loss_fn,
+    "batch": batch,
+    "rows": micro_batch,
+    "flops_per_token": flops,
+  }
+
+
+def scanned_lm(
+  blocks: int,
+  width: int,
+  heads: int,
+  length: int,
+  micro_batch: int,
+  vocab: int,
+  compute: Any = jnp.bfloat16,
+) -> dict[str, Any]:
+  """A GPT-2-shaped LM: pre-LN blocks stacked along a leading axis and run by
+  ``lax.scan``, float32 params computed in ``compute`` (bf16), tied output
+  embedding, causal ``dot_product_attention``. Padded sequences of random
+  lengths; token-mean cross-entropy (in float32) weighted by the valid
+  tokens. ``flops_per_token``: 6 per param plus attention's ``12 * blocks *
+  length * width`` (forward and backward)."""
+  key = iter(jax.random.split(jax.random.key(0), 8))
+  layers = (blocks,)
+
+  def normal(shape: tuple[int, ...], scale: float) -> jax.Array:
+    return jax.random.normal(next(key), shape) * scale
+
+  stacked = {
+    "norm1": {
+      "scale": jnp.ones((*layers, width)),
+      "bias": jnp.zeros((*layers, width)),
+    },
+    "qkv": normal((*layers, width, 3 * width), width**-0.5),
+    "out": normal((*layers, width, width), width**-0.5),
+    "norm2": {
+      "scale": jnp.ones((*layers, width)),
+      "bias": jnp.zeros((*layers, width)),
+    },
+    "up": normal((*layers, width, 4 * width), width**-0.5),
+    "down": normal((*layers, 4 * width, width), (4 * width) ** -0.5),
+  }
+  params = {
+    "embed": normal((vocab, width), 0.02),
+    "position": normal((length, width), 0.02),
+    "blocks": stacked,
+    "final_norm": {"scale": jnp.ones(width), "bias": jnp.zeros(width)},
+  }
+
+  def layer_norm(p: Any, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    normed = (x32 - mean) * jax.lax.rsqrt(
+      ((x32 - mean) ** 2).mean(-1, keepdims=True) + 1e-5
+    )
+    return (normed * p["scale"][None, None] + p["bias"][None, None]).astype(compute)
+
+  def block(x: jax.Array, p: Any) -> tuple[jax.Array, None]:
+    p = jax.tree.map(lambda a: a.astype(compute), p)
+    rows, t, _ = x.shape
+    q, k, v = jnp.split(layer_norm(p["norm1"], x) @ p["qkv"], 3, axis=-1)
+    shape = (rows, t, heads, width // heads)
+    mixed = jax.nn.dot_product_attention(
+      q.reshape(shape), k.reshape(shape), v.reshape(shape), is_causal=True
+    )
+    x = x + mixed.reshape(rows, t, width) @ p["out"]
+    x = x + jax.nn.gelu(layer_norm(p["norm2"], x) @ p["up"]) @ p["down"]
+    return x, None
+
+  def loss_fn(params: Any, batch: Any) -> tuple[jax.Array, jax.Array]:
+    embed = params["embed"].astype(compute)
+    x = embed[batch["inputs"]] + params["position"].astype(compute)[None]
+    x, _ = jax.lax.scan(block, x, params["blocks"])
+    logits = (layer_norm(params["final_norm"], x) @ embed.T).astype(jnp.float32)
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    tokens = batch["mask"].sum()
+    return (nll * batch["mask"]).sum() / jnp.maximum(tokens, 1.0), tokens
+
+  rng = np.random.default_rng(0)
+
+  def batch(rows: int) -> dict[str, np.ndarray]:
+    text = rng.integers(0, vocab, (rows, length + 1))
+    lengths = rng.integers(length // 2, length + 1, (rows, 1))
+    mask = (np.arange(length) < lengths).astype(np.float32)
+    return {"inputs": text[:, :-1], "targets": text[:, 1:], "mask": mask}
+
+  count = sum(x.size for x in jax.tree.leaves(params))
+  flops = 6 * count + 12 * blocks * length * width
+  return {
+    "params": params,
+    "loss_fn": loss_fn,
+    "batch": batch,
+    "rows": micro_batch,
+    "flops_per_token": flops,
+  }
 
 
 MODELS = {
@@ -218,17 +316,22 @@ MODELS = {
   "lm-12x64-b8": lambda: causal_lm(12, 64, 4, 32, 8),
   # Tiny, for the LM smoke test.
   "lm-1x8-b2": lambda: causal_lm(1, 8, 2, 4, 2, vocab=16),
+  # GPT-2-small-shaped (124M params, 12 scanned blocks, bf16 compute), 8 x 512
+  # tokens: compute-bound on an accelerator.
+  "gpt2-small-b8": lambda: scanned_lm(12, 768, 12, 512, 8, vocab=50304),
+  # Tiny, for its smoke test.
+  "gpt2-tiny-b2": lambda: scanned_lm(2, 16, 2, 8, 2, vocab=32),
 }
 
 
 # --- measurement ----------------------------------------------------------------
 
 
-def _copy(tree: Any) -> Any:
+def copy(tree: Any) -> Any:
   return jax.tree.map(jnp.copy, tree)
 
 
-class _Rounds:
+class Rounds:
   """Interleaved timing: every round runs every variant once, in a shuffled order.
 
   A disturbance of the machine (another process, a noisy neighbour) then
@@ -293,7 +396,7 @@ def _acc_and_counters(out: Outputs) -> tuple[Any, Any]:
   return out.acc, out.counters
 
 
-class _Carry:
+class Carry:
   """A jitted function called in a loop, each call's outputs the next's inputs."""
 
   def __init__(self, fn: Callable[..., Any], carry: list[Any], *args: Any):
@@ -332,7 +435,27 @@ class _FloorLoop:
     return run
 
 
-class _HandStream:
+def hand_scan_window(loss_fn: Callable[..., Any], tx: Any) -> Callable[..., Any]:
+  """A whole window written by hand as MaxText writes one: a ``lax.scan``
+  summing weighted gradients and weights, a divide, the optimizer; called as
+  ``(params, state, stacked) -> (params, state)``."""
+
+  def window(params: Any, state: Any, stacked: Any) -> tuple[Any, Any]:
+    def body(carry: Any, batch: Any) -> tuple[Any, None]:
+      acc, total = carry
+      (_, weight), g = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+      acc = jax.tree.map(lambda a, b: a + weight * b, acc, g)
+      return (acc, total + weight), None
+
+    start = (jax.tree.map(jnp.zeros_like, params), jnp.zeros([]))
+    (acc, total), _ = jax.lax.scan(body, start, stacked)
+    updates, state = tx.update(jax.tree.map(lambda a: a / total, acc), state, params)
+    return optax.apply_updates(params, updates), state
+
+  return window
+
+
+class HandStream:
   """A streaming window written by hand: ``k`` calls of a jitted gradient and
   weighted add into a donated sum and weight, then one jitted call that
   divides, runs the optimizer, applies it and empties the sum."""
@@ -351,7 +474,7 @@ class _HandStream:
     self.finish = jax.jit(finish, donate_argnums=(0, 1, 2, 3))
     self.k = k
     zeros = jax.tree.map(jnp.zeros_like, params)
-    self.carry = (_copy(params), tx.init(params), zeros, jnp.zeros([]))
+    self.carry = (copy(params), tx.init(params), zeros, jnp.zeros([]))
 
   def loop(self, windows: int, batch: Any) -> Callable[[], Any]:
     def run() -> Any:
@@ -377,7 +500,7 @@ def bench_model(
   adamw = optax.adamw(1e-4)
   micro_steps = windows * k
   results: dict[str, Any] = {}
-  rounds = _Rounds()
+  rounds = Rounds()
 
   def grad(params: Any, batch: Any) -> Any:
     return jax.grad(loss_fn, has_aux=True)(params, batch)[0]
@@ -396,7 +519,7 @@ def bench_model(
   limit_jit = jax.jit(limit, donate_argnums=(0,))
   zeros = jax.tree.map(jnp.zeros_like, params0)
   results["limit_handwritten"] = _analysis(limit_jit.lower(zeros, params0, micro))
-  limit_run = _Carry(limit_jit, [_copy(zeros)], params0, micro)
+  limit_run = Carry(limit_jit, [copy(zeros)], params0, micro)
   rounds.add("limit_handwritten", limit_run.loop(micro_steps), micro_steps)
 
   # The same call with a contiguous accumulator (one buffer, as Megatron's
@@ -408,7 +531,7 @@ def bench_model(
   flat_jit = jax.jit(limit_flat, donate_argnums=(0,))
   flat_zeros = ravel_pytree(zeros)[0]
   results["limit_flat"] = _analysis(flat_jit.lower(flat_zeros, params0, micro))
-  flat_run = _Carry(flat_jit, [jnp.copy(flat_zeros)], params0, micro)
+  flat_run = Carry(flat_jit, [jnp.copy(flat_zeros)], params0, micro)
   rounds.add("limit_flat", flat_run.loop(micro_steps), micro_steps)
 
   # (2) one optimizer update and apply alone, per window.
@@ -418,7 +541,7 @@ def bench_model(
 
   opt_jit = jax.jit(optimizer, donate_argnums=(0, 1))
   ones = jax.tree.map(jnp.ones_like, params0)
-  opt_run = _Carry(opt_jit, [_copy(params0), adamw.init(params0)], ones)
+  opt_run = Carry(opt_jit, [copy(params0), adamw.init(params0)], ones)
   rounds.add("optimizer", opt_run.loop(windows), windows)
 
   # The optimizer on one buffer per dtype (optax.flatten), alone and in the
@@ -430,12 +553,12 @@ def bench_model(
     return optax.apply_updates(params, updates), state
 
   opt_flat_jit = jax.jit(optimizer_flat, donate_argnums=(0, 1))
-  opt_flat_run = _Carry(opt_flat_jit, [_copy(params0), flat_tx.init(params0)], ones)
+  opt_flat_run = Carry(opt_flat_jit, [copy(params0), flat_tx.init(params0)], ones)
   rounds.add("optimizer_flat", opt_flat_run.loop(windows), windows)
   accum_flat = optax_accum.MultiSteps(flat_tx, k)
   step_flat = optax_accum.make_train_step(loss_fn, accum_flat)
   flat_state = accum_flat.init(params0)
-  stream_flat_run = _Carry(step_flat, [_copy(params0), flat_state], micro)
+  stream_flat_run = Carry(step_flat, [copy(params0), flat_state], micro)
   rounds.add("stream_flat_optimizer", stream_flat_run.loop(micro_steps), micro_steps)
 
   # (2b) the floor as a loop runs it, with either accumulator: k limit calls,
@@ -448,13 +571,13 @@ def bench_model(
   )
   floors = [(limit_jit, opt_jit, zeros), (flat_jit, opt_unravel_jit, flat_zeros)]
   for label, (add, update, acc) in zip(FLOOR_LOOPS, floors, strict=True):
-    carry = (_copy(params0), adamw.init(params0), _copy(acc))
+    carry = (copy(params0), adamw.init(params0), copy(acc))
     floor_loop = _FloorLoop(add, update, k, carry)
     rounds.add(label, floor_loop.loop(windows, micro), micro_steps)
 
   # The hand-written stream: k hand-written accumulate calls, then one call
   # that divides, runs AdamW and empties the sum.
-  stream_hand = _HandStream(loss_fn, adamw, k, params0)
+  stream_hand = HandStream(loss_fn, adamw, k, params0)
   rounds.add("stream_handwritten", stream_hand.loop(windows, micro), micro_steps)
 
   # (3) optax.MultiSteps, donated, one call per micro-step.
@@ -466,7 +589,7 @@ def bench_model(
 
   optax_jit = jax.jit(optax_step, donate_argnums=(0, 1))
   results["optax"] = _analysis(optax_jit.lower(params0, ms.init(params0), micro))
-  optax_run = _Carry(optax_jit, [_copy(params0), ms.init(params0)], micro)
+  optax_run = Carry(optax_jit, [copy(params0), ms.init(params0)], micro)
   rounds.add("optax", optax_run.loop(micro_steps), micro_steps)
 
   # (4) optax_accum streaming: as users call it, traced in their jit, blocked.
@@ -477,26 +600,26 @@ def bench_model(
     step.lower(params0, state0, micro, program="accumulate")
   )
   results["stream_update"] = _analysis(step.lower(params0, state0, micro))
-  program_run = _Carry(
+  program_run = Carry(
     lambda acc, counters, params, batch: _acc_and_counters(
       step.accumulate_program(Inputs(params, None, acc, counters, batch, None))
     ),
-    [_copy(state0.acc_grads), _counters(state0)],
+    [copy(state0.acc_grads), _counters(state0)],
     params0,
     micro,
   )
   rounds.add("limit_program", program_run.loop(micro_steps), micro_steps)
-  stream_run = _Carry(step, [_copy(params0), accum.init(params0)], micro)
+  stream_run = Carry(step, [copy(params0), accum.init(params0)], micro)
   rounds.add("stream", stream_run.loop(micro_steps), micro_steps)
   in_graph = jax.jit(lambda p, s, b: step(p, s, b), donate_argnums=(0, 1))
-  in_graph_run = _Carry(in_graph, [_copy(params0), accum.init(params0)], micro)
+  in_graph_run = Carry(in_graph, [copy(params0), accum.init(params0)], micro)
   rounds.add("stream_in_graph", in_graph_run.loop(micro_steps), micro_steps)
   # A loop that blocks has a step of its own, as a user's would: one step
   # returning the state of two loops in turn re-reads it at every switch.
   blocking_step = optax_accum.make_train_step(loss_fn, accum)
-  blocked = _Carry(
+  blocked = Carry(
     lambda *args: jax.block_until_ready(blocking_step(*args)),
-    [_copy(params0), accum.init(params0)],
+    [copy(params0), accum.init(params0)],
     micro,
   )
   rounds.add("stream_blocked", blocked.loop(micro_steps), micro_steps)
@@ -504,31 +627,19 @@ def bench_model(
   # (5) scan mode, per window, and its bound: the scan of gradient plus add.
   scan = optax_accum.make_train_step(loss_fn, accum, mode="scan")
   results["scan"] = _analysis(scan.lower(params0, state0, stacked))
-  scan_run = _Carry(scan, [_copy(params0), accum.init(params0)], stacked)
+  scan_run = Carry(scan, [copy(params0), accum.init(params0)], stacked)
   rounds.add("scan", scan_run.loop(windows), windows)
 
   def scan_limit(acc, params, stacked):
     return jax.lax.scan(lambda acc, batch: limit(acc, params, batch), acc, stacked)
 
   scan_limit_jit = jax.jit(scan_limit, donate_argnums=(0,))
-  scan_limit_run = _Carry(scan_limit_jit, [_copy(zeros)], params0, stacked)
+  scan_limit_run = Carry(scan_limit_jit, [copy(zeros)], params0, stacked)
   rounds.add("scan_limit", scan_limit_run.loop(windows), windows)
 
-  # A hand-written window as MaxText writes one: a lax.scan summing weighted
-  # gradients and weights, a divide, the optimizer (one program per window).
-  def scan_window(params, state, stacked):
-    def body(carry, batch):
-      acc, total = carry
-      (_, weight), g = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
-      acc = jax.tree.map(lambda a, b: a + weight * b, acc, g)
-      return (acc, total + weight), None
-
-    start = (jax.tree.map(jnp.zeros_like, params), jnp.zeros([]))
-    (acc, total), _ = jax.lax.scan(body, start, stacked)
-    return optimizer(params, state, jax.tree.map(lambda a: a / total, acc))
-
+  scan_window = hand_scan_window(loss_fn, adamw)
   scan_window_jit = jax.jit(scan_window, donate_argnums=(0, 1))
-  window_run = _Carry(scan_window_jit, [_copy(params0), adamw.init(params0)], stacked)
+  window_run = Carry(scan_window_jit, [copy(params0), adamw.init(params0)], stacked)
   rounds.add("scan_handwritten", window_run.loop(windows), windows)
 
   # (6) the whole window's micro-batches at once.
@@ -537,7 +648,7 @@ def bench_model(
 
   whole_jit = jax.jit(whole, donate_argnums=(0, 1))
   results["whole"] = _analysis(whole_jit.lower(params0, adamw.init(params0), window))
-  whole_run = _Carry(whole_jit, [_copy(params0), adamw.init(params0)], window)
+  whole_run = Carry(whole_jit, [copy(params0), adamw.init(params0)], window)
   rounds.add("whole", whole_run.loop(windows), windows)
 
   # Items (tokens) behind a streamed micro-step and behind a window.
@@ -696,7 +807,7 @@ def host_overhead(leaf_counts: list[int], calls: int) -> list[dict[str, float]]:
       grads = jax.grad(loss_fn, has_aux=True)(params, batch)[0]
       return (jax.tree.map(jnp.add, acc, grads),)
 
-    bare = _Carry(
+    bare = Carry(
       jax.jit(limit, donate_argnums=(0,)),
       [jax.tree.map(jnp.zeros_like, params)],
       params,
@@ -709,18 +820,18 @@ def host_overhead(leaf_counts: list[int], calls: int) -> list[dict[str, float]]:
       updates, state = ms.update(grads, state, params)
       return optax.apply_updates(params, updates), state
 
-    theirs = _Carry(
+    theirs = Carry(
       jax.jit(optax_step, donate_argnums=(0, 1)),
-      [_copy(params), ms.init(params)],
+      [copy(params), ms.init(params)],
       micro,
     )
     accum = optax_accum.MultiSteps(optax.sgd(1e-3), 8)
-    ours = _Carry(
+    ours = Carry(
       optax_accum.make_train_step(loss_fn, accum),
-      [_copy(params), accum.init(params)],
+      [copy(params), accum.init(params)],
       micro,
     )
-    rounds = _Rounds()
+    rounds = Rounds()
     for label, run in [("jit", bare), ("optax", theirs), ("stream", ours)]:
       rounds.add(label, run.loop(calls), calls)
     rounds.run(repeats=5)

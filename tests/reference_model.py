@@ -6,7 +6,10 @@ docstring, not from the library's code:
 
 - A micro-batch is one entry per data-parallel replica (one entry without
   ``axis_name``). It is *counted* towards ``k`` unless ``should_skip_update_fn``
-  rejects it on any replica; a rejected micro-batch is as if it never happened.
+  rejects its whole gradient, as one device sees it: over replicas the mean of
+  their gradients weighted by their (finite, positive) weights, zeros without
+  one (``"mean"``), or their sum. A rejected micro-batch is as if it never
+  happened.
 - A counted micro-batch whose weight is negative or not finite on any replica,
   or (``on_nonfinite="skip_micro_batch"``) whose gradient or loss is not finite
   on a replica with positive weight, adds nothing on every replica and
@@ -271,11 +274,24 @@ class Reference:
   def _inc(x: int) -> int:
     return min(x + 1, INT32_MAX)
 
+  def _rejected(self, mb: MicroBatch) -> bool:
+    """Whether the test's ``should_skip_update_fn`` (the first element of the
+    first term's whole gradient is :data:`SENTINEL`) rejects ``mb``: drawn so
+    where flagged (every replica's element the sentinel under ``"mean"``, the
+    first replica's under a sum), unless no replica has a weight to average
+    over."""
+    if not mb.replicas[0].skip:
+      return False
+    if len(mb.replicas) == 1 or self.config.grad_reduction != "mean":
+      return True
+    weights = [float(np.asarray(r.terms[0].weight, self.wd)) for r in mb.replicas]
+    return any(math.isfinite(w) and w > 0 for w in weights)
+
   def _add(self, mb: MicroBatch) -> bool:
     """Adds one micro-batch; returns whether it counts towards k."""
     self.seen = self._inc(self.seen)
     self.skip_step = self.gstep
-    if any(r.skip for r in mb.replicas):
+    if self._rejected(mb):
       self.stats["rejected"] += 1
       return False
     self.mini = self._inc(self.mini)
@@ -655,9 +671,10 @@ def _draw_weight(
 
 
 def _draw_grads(
-  rng: np.random.Generator, config: Config, skip: bool, nonfinite: float
+  rng: np.random.Generator, config: Config, mark: float | None, nonfinite: float
 ) -> dict:
-  """One term's gradient; with probability ``nonfinite`` one entry is not finite."""
+  """One term's gradient; with probability ``nonfinite`` one entry is not
+  finite; its first element ``mark`` where given (see ``draw_stream``)."""
   scale = float(rng.choice([1.0] * 12 + [1e-3, 3.0, 30.0, 1e3, 3e4, 1e20]))
   grads = {}
   for name, shape, dtype in config.leaves:
@@ -670,14 +687,16 @@ def _draw_grads(
     flat[rng.integers(flat.size)] = rng.choice([math.nan, math.inf, -math.inf])
   # The test's should_skip_update_fn reads the first element (every term's).
   first = grads[config.leaves[0][0]].reshape(-1)
-  if skip:
-    first[0] = SENTINEL
+  if mark is not None:
+    first[0] = mark
   elif first[0] == SENTINEL:
     first[0] = -SENTINEL
   return grads
 
 
-def _draw_replica(rng: np.random.Generator, config: Config, skip: bool) -> Replica:
+def _draw_replica(
+  rng: np.random.Generator, config: Config, skip: bool, first: bool
+) -> Replica:
   """One replica's terms: now and then a non-finite loss or gradient (in one
   of them: as often per replica with terms as without)."""
   share = 1 / config.term_count
@@ -687,7 +706,11 @@ def _draw_replica(rng: np.random.Generator, config: Config, skip: bool) -> Repli
     loss = float(np.float32(rng.normal() * 2))
     if rng.random() < 0.06 * share:
       loss = float(rng.choice([math.nan, math.inf]))
-    grads = _draw_grads(rng, config, skip, 0.08 * share)
+    # A flagged micro-batch's whole gradient starts with the sentinel: every
+    # replica's under a weighted mean, the first replica's (others 0) under a sum.
+    mean = config.grad_reduction == "mean"
+    mark = (SENTINEL if mean or first else 0.0) if skip else None
+    grads = _draw_grads(rng, config, mark, 0.08 * share)
     terms.append(Term(grads, _draw_weight(rng, constant, zeros), loss))
   return Replica(terms, skip)
 
@@ -698,9 +721,9 @@ def draw_stream(
   """``length`` micro-batches with weights, gradients, losses and flags."""
   stream = []
   for _ in range(length):
+    skip = config.skip_fn and bool(rng.random() < 0.12)
     replicas = [
-      _draw_replica(rng, config, config.skip_fn and bool(rng.random() < 0.12))
-      for _ in range(config.replicas)
+      _draw_replica(rng, config, skip, first=i == 0) for i in range(config.replicas)
     ]
     stream.append(MicroBatch(replicas, end_window and bool(rng.random() < 0.15)))
   return stream

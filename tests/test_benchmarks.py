@@ -127,3 +127,19 @@ def test_lm_benchmark_smoke(tmp_path):
   } <= set(row["targets"])
   assert row["targets"]["stream / floor"][1] == 1.05
   assert (tmp_path / "smoke-lm.md").stat().st_size > 0
+
+
+@pytest.mark.long
+def test_accelerator_smoke(tmp_path):
+  """The accelerator benchmark on the tiny scanned LM: every variant timed,
+  the targets' ratios and rates written."""
+  from benchmarks import accelerator
+
+  options = ["--models", "gpt2-tiny-b2", "--ks", "2", "--repeats", "1"]
+  (row,) = accelerator.main([*options, "--windows", "1", "--out", str(tmp_path)])
+  assert row["k"] == 2
+  assert all(ms > 0 for ms in row["window_ms"].values())
+  assert set(row["ratios"]) >= {f"{a} / {b}" for a, b, _ in accelerator.TARGETS}
+  assert row["rates"]["scan"]["TFLOP/s"] > 0
+  (written,) = tmp_path.glob("*-accelerator.json")
+  assert json.loads(written.read_text())["rows"][0]["k"] == 2

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
 from jax.typing import ArrayLike
 
 from optax_accum._core import _checks, _hyperparams, _reduction, _terms, _window
@@ -49,17 +50,20 @@ def _screened(
   config: MultiStepsConfig,
   state: MultiStepsState,
   grads: Any,
+  weight: Any,
   params: Any,
   reduction: Any,
 ) -> tuple[jax.Array, Any]:
   """Whether ``should_skip_update_fn`` lets the micro-batch count, and its state.
 
-  A rejection on any replica rejects it on all of them, and every replica
-  keeps the same ``skip_state``: its leaves' maximum over them.
+  The function sees the micro-batch's whole gradient (:func:`_whole`), as on
+  one device. A rejection on any replica rejects it on all of them, and every
+  replica keeps the same ``skip_state``: its leaves' maximum over them.
   """
   if config.should_skip_update_fn is None:
     return jnp.array(True), state.skip_state
-  skip, skip_state = config.should_skip_update_fn(grads, state.gradient_step, params)
+  whole = _whole(config, state, grads, weight, reduction)
+  skip, skip_state = config.should_skip_update_fn(whole, state.gradient_step, params)
   if (jnp.result_type(skip), jnp.shape(skip)) != (jnp.bool_, ()):
     raise ValueError(
       "`should_skip_update_fn` must return a bool scalar, got dtype "
@@ -67,6 +71,54 @@ def _screened(
     )
   skip = reduction.sum(jnp.asarray(skip).astype(jnp.int32)) > 0
   return ~skip, reduction.agree(skip_state)
+
+
+def _whole(
+  config: MultiStepsConfig,
+  state: MultiStepsState,
+  grads: Any,
+  weight: Any,
+  reduction: Any,
+) -> Any:
+  """The micro-batch's gradient over all replicas, as one device computes it.
+
+  Partial sums (:class:`~optax_accum._core._reduction.Deferred`) are reduced;
+  replicas' gradients of means are averaged by their weights (bad weights
+  count 0), of sums summed: one more reduction of a gradient per micro-batch.
+  """
+  if not reduction.axes:
+    return reduction.window_gradient(grads)
+  dtype = jnp.result_type(jax.tree.leaves(state.acc_weight)[0])
+  terms = zip(*_per_term(config, grads, weight, None)[:2], strict=True)
+  whole = tuple(_whole_term(config, g, w, dtype, reduction) for g, w in terms)
+  return whole if config.terms is not None else whole[0]
+
+
+def _whole_term(
+  config: MultiStepsConfig, grads: Any, weight: Any, dtype: Any, reduction: Any
+) -> Any:
+  """One term's :func:`_whole` over replicas."""
+  if config.grad_reduction != "mean":
+    return jax.tree.map(reduction.sum, grads)
+  w = reduction.own(_checks.scalar(weight, name="weight", dtype=dtype))
+  w = jnp.where(jnp.isfinite(w) & (w > 0), w, jnp.zeros_like(w))
+  total = reduction.sum(w)
+  return jax.tree.map(lambda x: _mean_of(x, w, total, reduction), grads)
+
+
+def _mean_of(x: Any, w: jax.Array, total: jax.Array, reduction: Any) -> jax.Array:
+  """``x``'s mean over the replicas weighted by ``w`` (``total`` their sum; 0
+  without weight); as it is if JAX summed it already (adding it then raises
+  the error that says why)."""
+  x = jnp.asarray(x)
+  if reduction.summed_already(x):
+    return x
+  wide = _window.accumulator_dtype(x.dtype, None)
+  term = x.astype(wide) * w.astype(wide)
+  term = jnp.where(w > 0, term, jnp.zeros_like(term))
+  total = total.astype(wide)
+  mean = reduction.sum(term) / jnp.where(total > 0, total, jnp.ones_like(total))
+  return mean.astype(x.dtype)
 
 
 def add_micro_batch(
@@ -91,7 +143,7 @@ def add_micro_batch(
     ref_name="the accumulator (from init(params); a train step's state, "
     "packed or per replica, goes back to that step)",
   )
-  counted, skip_state = _screened(config, state, grads, params, reduction)
+  counted, skip_state = _screened(config, state, grads, weight, params, reduction)
   grads, weight, loss = _per_term(config, grads, weight, loss)
   window = window_of(config, state)
   drop = config.on_nonfinite == "skip_micro_batch"
@@ -228,10 +280,20 @@ def _kept_unless(ends: jax.Array, new: jax.Array, old: ArrayLike) -> jax.Array:
 
 
 def typed_like(x: Any, like: Any) -> jax.Array:
-  """``x``, typed to vary over the manual mesh axes ``like`` (an abstract value
-  from ``jax.eval_shape``) varies over."""
+  """``x`` typed as ``like`` (an array, or an abstract value from
+  ``jax.eval_shape``):
+  varying over the same manual mesh axes, and split alike on an ``Explicit``
+  mesh (an inner state built with ``jnp.zeros(p.shape)`` is replicated where
+  its update returns it split like its param)."""
   types = getattr(like, "manual_axis_type", None)
-  return _reduction.varying_over(x, types.varying if types is not None else ())
+  x = _reduction.varying_over(x, types.varying if types is not None else ())
+  aval = like if isinstance(like, jax.ShapeDtypeStruct) else jax.typeof(like)
+  want = getattr(aval, "sharding", None)
+  have = getattr(jax.typeof(x), "sharding", None)
+  both = isinstance(want, NamedSharding) and isinstance(have, NamedSharding)
+  if both and have.spec != want.spec and want.mesh.are_all_axes_explicit:
+    x = jax.sharding.reshard(x, want.spec)
+  return x
 
 
 def check_extra_args(extra_args: dict[str, Any], loss: Any) -> None:

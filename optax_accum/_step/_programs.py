@@ -252,7 +252,8 @@ class Bodies:
     state = joined(inputs.counters, None, inputs.acc)
     added, _, aux = self._add(inputs.params, state, inputs.batch, inputs.rng)
     loss = self.optimizer.window_loss(added)
-    out = {"loss": loss, "grad_norm": jnp.zeros([], jnp.float32)}
+    # Typed as the update's norm: the window weight's dtype.
+    out = {"loss": loss, "grad_norm": jnp.zeros([], added.acc_weight.dtype)}
     return Outputs(None, None, added.acc_grads, counters(added), out, aux)
 
   def update(self, inputs: Inputs) -> Outputs:
@@ -295,7 +296,7 @@ class Bodies:
     the host time on every call.
     """
     params, acc, batch = inputs.params, inputs.acc, inputs.batch
-    _check_leading_axis(batch)
+    _check_leading_axis(batch, self.config)
     axes, partial = self.reduction.axes, self.reduction.at_window_end
     loop = self.reduction.per_window()
     empty = acc is None
@@ -359,7 +360,6 @@ class Bodies:
     new = ms.closed(
       self.config, added, ends, nonfinite, applies, inner, divided_loss=loss
     )
-    norm = norm.astype(jnp.float32)
     out = metrics(self.config, added, new, loss, norm, learning_rate(new))
     return params, inner, counters(new), out
 
@@ -373,10 +373,23 @@ def _own_zeros(reduction: Any) -> Callable[[jax.Array], jax.Array]:
   return lambda x: reduction.own(jnp.zeros_like(x))
 
 
-def _check_leading_axis(batch: Any) -> None:
+def _check_leading_axis(batch: Any, config: MultiStepsConfig) -> None:
+  """Raises ``ValueError`` unless every batch leaf has the same leading axis,
+  and where it looks like a batch not yet split into ``k`` micro-batches: a
+  multiple of an int ``every_k_schedule`` above 1, beyond it. (Other sizes set
+  the window, as documented; 1 is also a plain optax optimizer's step's.)"""
   sizes = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
   if len(sizes) != 1 or None in sizes or 0 in sizes:
     raise ValueError(
       "In scan mode every `batch` leaf needs the same leading micro-batch axis "
       f"of size >= 1, got leading sizes {sorted(map(str, sizes))}."
+    )
+  k, size = config.every_k_schedule, np.shape(jax.tree.leaves(batch)[0])[0]
+  if isinstance(k, int | np.integer) and 1 < k < size and size % k == 0:
+    raise ValueError(
+      "In scan mode the batch's leading axis is the window's micro-batches: "
+      f"every `batch` leaf has {size} along it, {size // k} times "
+      f"`every_k_schedule`={k}: a batch not split yet? Stack it as {k} "
+      f"micro-batches: optax_accum.split_micro_batches(batch, {k}); for windows "
+      "of any length, MultiSteps(..., every_k_schedule='end_window')."
     )
