@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from benchmarks.accumulation import RESULTS, _Rounds, mlp
+from benchmarks.accumulation import RESULTS, Rounds, mlp
 from benchmarks.hlo import collectives
 
 RECIPES = (
@@ -70,7 +70,7 @@ def _window_bytes(lowered: dict[str, Any], k: int, in_graph: bool) -> int:
 
 
 def bench(
-  recipe: str, k: int, width: int, depth: int, rows: int, rounds: _Rounds, windows: int
+  recipe: str, k: int, width: int, depth: int, rows: int, rounds: Rounds, windows: int
 ) -> dict[str, Any]:
   # jax.make_mesh's default axes are Explicit (where plain jit reduces once
   # per window); before jax 0.7 they were Auto.
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
   machine = args.machine or f"{jax.devices()[0].platform}-{platform.machine()}"
   rows = []
   for k in args.ks:
-    rounds = _Rounds()
+    rounds = Rounds()
     found = {
       recipe: bench(recipe, k, args.width, args.depth, args.rows, rounds, args.windows)
       for recipe in RECIPES

@@ -1,6 +1,7 @@
 """Gradient accumulation for JAX/Optax, exactly equivalent to the whole batch."""
 
 from optax_accum._audit import AuditReport, Verdict, audit
+from optax_accum._core._layout import Packed, PerReplica, relayout
 from optax_accum._core._multi_steps import (
   WINDOW_MICRO_STEPS,
   WINDOW_WEIGHT,
@@ -33,6 +34,8 @@ __all__ = (
   "MultiSteps",
   "MultiStepsConfig",
   "MultiStepsState",
+  "Packed",
+  "PerReplica",
   "ProgressSchedule",
   "ProgressState",
   "TrainStep",
@@ -46,6 +49,7 @@ __all__ = (
   "make_train_step",
   "plan_micro_batches",
   "progress_schedule",
+  "relayout",
   "schedule_free_eval_params",
   "split_micro_batches",
   "weighted_mean_accumulator",

@@ -63,9 +63,8 @@ def main(port: str, process_id: int, out: str, recipe: str) -> None:
         tokens, updated = float(metrics["weight"]), bool(metrics["updated"])
         print(f"process {process_id}: tokens {tokens} updated {updated}", flush=True)
   if explicit:  # Each device's partial sum: a leading axis of replicas.
-    assert state.acc_grads["head"]["w"].shape[0] == 4, state.acc_grads["head"][
-      "w"
-    ].shape
+    sums = state.acc_grads.sums
+    assert sums["head"]["w"].shape[0] == 4, sums["head"]["w"].shape
 
   if process_id == 0:
     local = jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), params)

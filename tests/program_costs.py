@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_accum
 from benchmarks.accumulation import MODELS, mlp
-from optax_accum._step import _packing
+from optax_accum._core import _backend
 
 RECORD = pathlib.Path(__file__).parent / "data" / "program_costs.json"
 K = 4
@@ -73,12 +73,11 @@ def program_costs(
 @contextlib.contextmanager
 def _packing_limited(packed: bool) -> Iterator[None]:
   """Packs as by default, or never."""
-  default = _packing.MIN_LEAVES
-  _packing.MIN_LEAVES = default if packed else 2**62
-  try:
+  if packed:
     yield
-  finally:
-    _packing.MIN_LEAVES = default
+    return
+  with _backend.overridden("cpu", packs=False):
+    yield
 
 
 def _program_costs(model: str, mode: str, axis_name: str | None) -> dict[str, Any]:

@@ -279,13 +279,15 @@ class Reference:
     first term's whole gradient is :data:`SENTINEL`) rejects ``mb``: drawn so
     where flagged (every replica's element the sentinel under ``"mean"``, the
     first replica's under a sum), unless no replica has a weight to average
-    over."""
+    over or one's weight is not finite (the mean is then NaN)."""
     if not mb.replicas[0].skip:
       return False
     if len(mb.replicas) == 1 or self.config.grad_reduction != "mean":
       return True
     weights = [float(np.asarray(r.terms[0].weight, self.wd)) for r in mb.replicas]
-    return any(math.isfinite(w) and w > 0 for w in weights)
+    if not all(math.isfinite(w) for w in weights):  # Its mean is NaN.
+      return False
+    return any(w > 0 for w in weights)
 
   def _add(self, mb: MicroBatch) -> bool:
     """Adds one micro-batch; returns whether it counts towards k."""

@@ -1,148 +1,316 @@
-"""Orbax checkpoints of every data-parallel recipe resume on any device count.
+"""One state layout, restored with the orbax call users write first (issue 41).
 
-Issue 25, item 3: the `axis_name` step under plain `jit` keeps one partial
-sum per replica (a leading axis of replicas), so restoring against
-`opt.init(params)` failed on the shape. Since item 1 the plain `jit` step
-keeps them too on an Explicit mesh. Each test saves on 8 devices in the
-middle of a window or at its end, restores with the `restore` function of
-docs/checkpointing.md (read from the page, so the tested recipe is the
-documented one) and resumes: bit-identical on the layout that saved it,
-within 1e-6 of the uninterrupted run on 4 devices and on one.
+Every path's state (one device with packed small leaves, loss terms, Explicit
+1-D and 2-D meshes, ``axis_name``, scan mode, the step in the user's own
+``jit``) is saved with orbax in the middle of a window and at its end,
+restored against ``opt.init(params)`` (``step.init(params)`` on a mesh), and
+resumes bit-identical to the uninterrupted run. The layout is in the state's
+structure, never a shape: 16 scalar params on 16 replicas resume exactly.
 """
 
 import functools
-import pathlib
+import subprocess
+import sys
+import textwrap
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-import toy_lm
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from markdown_examples import documented_function
 
 import optax_accum
+from optax_accum._core._layout import Packed, PerReplica
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 
-K, WINDOWS, ROWS, LENGTH = 4, 2, 8, 5
-PAGE = pathlib.Path(__file__).parent.parent / "docs" / "checkpointing.md"
-
-
-def _docs_restore():
-  """`restore(path, params, opt)` as docs/checkpointing.md defines it."""
-  return documented_function(PAGE, "restore")
+K, WINDOWS, ROWS, LENGTH, BIASES = 4, 2, 8, 5, 16
 
 
 def _loss(params, batch):
-  logits = batch["x"] @ params["w"] + params["b"][None, None, :]
-  nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-  return (nll * batch["mask"]).sum() / batch["mask"].sum(), batch["mask"].sum()
+  out = batch["x"] @ params["w"] + sum(params["b"])[None, None, :]
+  err = (jnp.tanh(out).sum(-1) - batch["y"]) ** 2
+  n = batch["mask"].sum()
+  return (err * batch["mask"]).sum() / n, n
 
 
-def _stream():
-  """The run's micro-batches in order; the rows of each split 8 ways hold
-  very different numbers of tokens."""
-  rng = np.random.default_rng(0)
-  out = []
-  for _ in range(K * WINDOWS):
-    lengths = np.sort(rng.integers(1, LENGTH + 1, ROWS))[::-1]
-    out.append(
-      {
-        "x": rng.normal(size=(ROWS, LENGTH, 3)).astype(np.float32),
-        "y": rng.integers(0, 4, (ROWS, LENGTH)),
-        "mask": (np.arange(LENGTH) < lengths[:, None]).astype(np.float32),
-      }
-    )
-  return out
-
-
-def _params0():
-  rng = np.random.default_rng(1)
-  return {
-    "w": rng.normal(size=(3, 4)).astype(np.float32),
-    "b": np.zeros(4, np.float32),
-  }
-
-
-OPT = optax_accum.MultiSteps(optax.adamw(3e-2, weight_decay=0.1), K)
+def _terms_loss(params, batch):
+  value, n = _loss(params, batch)
+  l2 = sum((b**2).sum() for b in params["b"])
+  return {"nll": (value, n), "l2": (l2, jnp.float32(1))}
 
 
 @functools.cache
-def _layout(name):
-  """``(place_params, place_batch, step)`` for one way to run.
-
-  "jit", "axis_name", "shard_map": the three data-parallel recipes on 8
-  devices; "axis_name-4", "axis_name-1": `axis_name` under jit on 4 devices
-  and on a 1-device mesh; "one-device": no mesh, no `axis_name`.
-  """
-  if name == "one-device":
-    device = jax.devices()[0]
-    step = optax_accum.make_train_step(_loss, OPT)
-    return (lambda t: jax.device_put(t, device)), (lambda t: t), step
-  size = {"axis_name-4": 4, "axis_name-1": 1}.get(name, 8)
-  mesh = jax.make_mesh((size,), ("data",), devices=jax.devices()[:size])
-  axis_name = None if name == "jit" else "data"
-  step = optax_accum.make_train_step(_loss, OPT, axis_name=axis_name)
-  if name == "shard_map":
-    step = jax.jit(
-      jax.shard_map(
-        step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P())
-      )
+def _stream():
+  """The run's micro-batches; rows of very different token counts."""
+  rng = np.random.default_rng(0)
+  out = []
+  for _ in range(K * WINDOWS):
+    lengths = rng.integers(1, LENGTH + 1, ROWS)
+    out.append(
+      {
+        "x": rng.normal(size=(ROWS, LENGTH, 3)).astype(np.float32),
+        "y": rng.normal(size=(ROWS, LENGTH)).astype(np.float32),
+        "mask": (np.arange(LENGTH) < lengths[:, None]).astype(np.float32),
+      }
     )
+  return tuple(out)
 
-  def place(tree, spec):
-    return jax.device_put(tree, NamedSharding(mesh, spec))
 
-  return (lambda t: place(t, P())), (lambda t: place(t, P("data"))), step
+def _params0():
+  """A matrix and 16 small biases: packed on one device."""
+  rng = np.random.default_rng(1)
+  biases = [rng.normal(size=4).astype(np.float32) * 0.1 for _ in range(BIASES)]
+  return {"w": rng.normal(size=(3, 4)).astype(np.float32), "b": biases}
+
+
+PATHS = ["packed", "terms", "explicit-1d", "explicit-2d", "axis_name", "scan", "jit"]
+
+
+@functools.cache
+def _path(name):
+  """``(place_params, place_batch, step, init)`` of one path."""
+  terms = name == "terms"
+  opt = optax_accum.MultiSteps(
+    optax.adamw(3e-2, weight_decay=0.1), K, terms=("nll", "l2") if terms else None
+  )
+  loss = _terms_loss if terms else _loss
+  if name in ("packed", "terms", "scan", "jit"):
+    device = jax.devices()[0]
+    mode = "scan" if name == "scan" else "stream"
+    step = optax_accum.make_train_step(loss, opt, mode=mode)
+    if name == "jit":
+      step = jax.jit(step)
+    batch = _windows if name == "scan" else (lambda b: b)
+    return (lambda t: jax.device_put(t, device)), batch, step, opt.init
+  if name == "explicit-2d":
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    specs = {"w": P(None, "model"), "b": [P("model")] * BIASES}
+  else:
+    mesh = jax.make_mesh((8,), ("data",))
+    specs = {"w": P(), "b": [P()] * BIASES}
+  axis_name = "data" if name == "axis_name" else None
+  step = optax_accum.make_train_step(loss, opt, axis_name=axis_name)
+
+  def place_params(tree):
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    return jax.device_put(tree, shardings)
+
+  def place_batch(tree):
+    return jax.device_put(tree, NamedSharding(mesh, P("data")))
+
+  return place_params, place_batch, step, step.init
+
+
+def _windows(micro_batches):
+  """Scan mode: one call per window."""
+  return jax.tree.map(lambda *rows: np.stack(rows), *micro_batches)
 
 
 def _run(name, params, state, micro_batches):
-  place_params, place_batch, step = _layout(name)
+  place_params, place_batch, step, init = _path(name)
   if params is None:
     params = place_params(_params0())
-    state = OPT.init(params)
-  for micro_batch in micro_batches:
-    params, state, _ = step(params, state, place_batch(micro_batch))
+    state = init(params)
+  if name == "scan":
+    calls = [
+      place_batch(micro_batches[i : i + K]) for i in range(0, len(micro_batches), K)
+    ]
+  else:
+    calls = [place_batch(b) for b in micro_batches]
+  for call in calls:
+    params, state, _ = step(params, state, call)
   return params, state
 
 
 @functools.cache
 def _uninterrupted(name):
-  params, state = _run(name, None, None, _stream())
-  assert int(state.gradient_step) == WINDOWS
+  params, _ = _run(name, None, None, _stream())
   return jax.device_get(params)
 
 
+def _layout_of(name):
+  if name in ("packed", "scan", "jit"):
+    return Packed
+  if name == "terms":
+    return tuple
+  return PerReplica
+
+
 @pytest.mark.parametrize("position", [2, K], ids=["mid-window", "window-end"])
-@pytest.mark.parametrize("saved_by", ["jit", "axis_name", "shard_map"])
-def test_checkpoint_resumes_on_every_layout(saved_by, position, tmp_path):
-  params, state = _run(saved_by, None, None, _stream()[:position])
+@pytest.mark.parametrize("name", PATHS)
+def test_a_naive_orbax_restore_resumes_bit_identical(name, position, tmp_path):
+  if name == "scan" and position != K:
+    pytest.skip("scan mode saves at window ends only")
+  params, state = _run(name, None, None, _stream()[:position])
   assert int(state.mini_step) == position % K
-  path = tmp_path / "checkpoint"
+  assert isinstance(state.acc_grads, _layout_of(name))
   saver = ocp.StandardCheckpointer()
+  path = tmp_path / "checkpoint"
   saver.save(path, {"params": params, "opt_state": state, "position": position})
   saver.wait_until_finished()
-  acc_shape = saver.metadata(path).item_metadata["opt_state"]["acc_grads"]["w"].shape
-  # Under jit on jax.make_mesh's Explicit mesh, with `axis_name` or without,
-  # each device keeps its own partial sum: a leading axis of replicas.
-  assert acc_shape == ((3, 4) if saved_by == "shard_map" else (8, 3, 4))
+  place_params, _, _, init = _path(name)
+  fresh = place_params(jax.tree.map(np.zeros_like, _params0()))
+  target = {"params": fresh, "opt_state": init(fresh), "position": 0}
+  restored = saver.restore(path, target)
+  assert jax.tree.structure(restored["opt_state"]) == jax.tree.structure(state)
+  rest = _stream()[int(restored["position"]) :]
+  resumed, _ = _run(name, restored["params"], restored["opt_state"], rest)
+  jax.tree.map(
+    np.testing.assert_array_equal, jax.device_get(resumed), _uninterrupted(name)
+  )
 
-  restore = _docs_restore()
-  uninterrupted = _uninterrupted(saved_by)
-  for name in (saved_by, "axis_name-4", "axis_name-1", "one-device"):
-    place_params = _layout(name)[0]
-    fresh = place_params(jax.tree.map(np.zeros_like, _params0()))
-    restored = restore(path, fresh, OPT)
-    assert int(restored["position"]) == position
-    params, state = _run(
-      name, restored["params"], restored["opt_state"], _stream()[position:]
-    )
-    assert int(state.gradient_step) == WINDOWS, name
-    resumed = jax.device_get(params)
-    if name == saved_by:
-      jax.tree.map(np.testing.assert_array_equal, resumed, uninterrupted)
-    else:
-      assert toy_lm.max_rel_diff(resumed, uninterrupted) <= 1e-6, name
+
+def test_relayout_converts_every_layout_exactly_where_the_maths_allows():
+  """Packed to one sum to packed is exact; one sum to per replica and back
+  is exact (the first replica's partial sum); ``opt.update`` names
+  ``relayout`` for a per-replica state."""
+  params = _params0()
+  opt = optax_accum.MultiSteps(optax.sgd(0.1), K)
+  packed = opt.init(params)
+  assert isinstance(packed.acc_grads, Packed)
+  filled = jax.tree.map(lambda a: jnp.arange(a.size, dtype=a.dtype), packed.acc_grads)
+  packed = packed._replace(acc_grads=filled)
+  one = optax_accum.relayout(packed, None)
+  assert isinstance(one.acc_grads, dict)
+  again = optax_accum.relayout(one, packed)
+  np.testing.assert_array_equal(again.acc_grads.groups[0], filled.groups[0])
+  init = _path("explicit-1d")[3]
+  spread = _path("explicit-1d")[0](params)
+  per_replica = optax_accum.relayout(one, init(spread))
+  assert isinstance(per_replica.acc_grads, PerReplica)
+  assert per_replica.acc_grads.sums["w"].shape == (8, 3, 4)
+  back = optax_accum.relayout(per_replica, packed)
+  np.testing.assert_array_equal(back.acc_grads.groups[0], filled.groups[0])
+  with pytest.raises(ValueError, match=r"optax_accum\.relayout"):
+    opt.update(jax.tree.map(jnp.ones_like, spread), per_replica, spread)
+  grown = {**params, "c": np.zeros(3, np.float32)}
+  with pytest.raises(ValueError, match=r"\['c'\]"):
+    optax_accum.relayout(packed, opt.init(grown))
+
+
+SIXTEEN = textwrap.dedent(
+  """
+  import os
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=16"
+  import sys, jax, jax.numpy as jnp, numpy as np, optax, optax_accum
+  import orbax.checkpoint as ocp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  jax.config.update("jax_enable_x64", False)
+  mesh = jax.make_mesh((16,), ("data",))
+  rng = np.random.default_rng(0)
+  p0 = {f"g{i:02d}": np.float32(rng.normal()) for i in range(16)}
+  p0["w"] = rng.normal(size=(4, 4)).astype(np.float32)
+  batches = []
+  for _ in range(2):
+    mask = (rng.random(32) < 0.7).astype(np.float32)
+    batches.append({"x": rng.normal(size=(32, 4)).astype(np.float32), "mask": mask})
+
+  def loss(p, b):
+    gates = sum(p[f"g{i:02d}"] * b["x"][:, i % 4] for i in range(16))
+    rows = ((b["x"] @ p["w"]).sum(-1) * gates) ** 2
+    n = b["mask"].sum()
+    return (rows * b["mask"]).sum() / n, n
+
+  opt = optax_accum.MultiSteps(optax.sgd(1.0), 2)
+  step = optax_accum.make_train_step(loss, opt)
+  place = lambda t, s: jax.device_put(t, NamedSharding(mesh, s))
+  params = place(p0, P())
+  params, state, _ = step(params, step.init(params), place(batches[0], P("data")))
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(sys.argv[1], {"params": params, "opt_state": state})
+  ckpt.wait_until_finished()
+  fresh = place(jax.tree.map(np.zeros_like, p0), P())
+  restored = ckpt.restore(sys.argv[1], {"params": fresh, "opt_state": step.init(fresh)})
+  params, state, _ = step(
+    restored["params"], restored["opt_state"], place(batches[1], P("data"))
+  )
+  whole = jax.tree.map(lambda *r: np.concatenate(r), *batches)
+  want = jax.tree.map(lambda p, g: p - g, p0, jax.grad(lambda p: loss(p, whole)[0])(p0))
+  err = max(
+    float(np.max(np.abs(np.asarray(a) - b) / (np.abs(b) + 1e-3)))
+    for a, b in zip(jax.tree.leaves(jax.device_get(params)), jax.tree.leaves(want))
+  )
+  print("ERR", err)
+  """
+)
+
+
+def test_sixteen_scalars_on_sixteen_replicas_resume_with_the_whole_batch(tmp_path):
+  """The per-replica sums of 16 scalars have the shape a packed group of 16
+  scalars would: restored naively mid-window, the window's update is the
+  whole batch's (it was off by 0.556 when layouts were told by shape)."""
+  out = subprocess.run(
+    [sys.executable, "-c", SIXTEEN, str(tmp_path / "ckpt")],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  err = float(out.stdout.split("ERR")[-1])
+  assert err <= 1e-5, err
+
+
+SGD = optax_accum.MultiSteps(optax.sgd(1.0), K)
+
+
+@functools.cache
+def _handing(kind):
+  """A function ``(params, state, micro_batches) -> (params, state)`` of one
+  path on one device (no donation: states are shared between paths)."""
+  step = optax_accum.make_train_step(_loss, SGD, donate=False)
+  if kind == "update":
+    update = jax.jit(SGD.update)
+
+    def run(params, state, micro_batches):
+      for b in micro_batches:
+        (_, n), g = jax.value_and_grad(_loss, has_aux=True)(params, b)
+        u, state = update(g, state, params, weight=n)
+        params = optax.apply_updates(params, u)
+      return params, state
+
+    return run
+  if kind == "scan":
+    scan = optax_accum.make_train_step(_loss, SGD, mode="scan", donate=False)
+    return lambda p, s, mbs: scan(p, s, _windows(mbs))[:2]
+  if kind == "lax.scan":
+
+    @jax.jit
+    def run(params, state, stacked):
+      def body(carry, b):
+        return step(*carry, b)[:2], None
+
+      return jax.lax.scan(body, (params, state), stacked)[0]
+
+    return lambda p, s, mbs: run(p, s, _windows(mbs))
+  inner = jax.jit(step) if kind == "jit" else step
+
+  def loop(params, state, micro_batches):
+    for b in micro_batches:
+      params, state, _ = inner(params, state, b)
+    return params, state
+
+  return loop
+
+
+@pytest.mark.parametrize("second", ["update", "stream", "scan", "jit", "lax.scan"])
+@pytest.mark.parametrize("first", ["update", "stream", "jit", "lax.scan"])
+def test_any_paths_state_continues_on_any_other_path(first, second):
+  """Half a window on one path, the rest on another: the whole batch's
+  update (one device, packed sums)."""
+  params = _params0()
+  batches = _stream()[:K]
+  params_, state = _handing(first)(params, SGD.init(params), batches[:2])
+  assert isinstance(state.acc_grads, Packed)
+  got, state = _handing(second)(params_, state, batches[2:])
+  assert isinstance(state.acc_grads, Packed) and int(state.gradient_step) == 1
+  whole = jax.tree.map(lambda *rows: np.concatenate(rows), *batches)
+  grad = jax.grad(lambda p: _loss(p, whole)[0])(params)
+  want = jax.tree.map(lambda p, g: p - g, params, grad)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), got, want
+  )

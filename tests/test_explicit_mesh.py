@@ -176,7 +176,7 @@ def test_accumulator_and_params_keep_the_model_split(run):
   for name, spec in specs.items():
     for tree in (run.params, adam.mu, adam.nu):
       assert tree[name].sharding.spec == spec, name
-    acc = run.state.acc_grads[name]
+    acc = run.state.acc_grads.sums[name]
     want = NamedSharding(run.mesh, P("data", *spec))
     assert acc.sharding.is_equivalent_to(want, acc.ndim), (name, acc.sharding)
 
@@ -287,7 +287,8 @@ def test_every_kind_of_weight_matches_one_device(weight, mode):
         for call in _window_input(batch, mode, mesh):
           params, state, _ = step(params, state, call)
     replicas = mesh.shape["data"]
-    assert state.acc_grads["out"].shape == ((replicas,) if replicas > 1 else ()) + (
+    acc = getattr(state.acc_grads, "sums", state.acc_grads)
+    assert acc["out"].shape == ((replicas,) if replicas > 1 else ()) + (
       8,
       4,
     )

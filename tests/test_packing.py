@@ -1,12 +1,11 @@
-"""The packed accumulator (issue 29, item 2): fewer buffers, the same numbers.
+"""The packed accumulator (issue 29, item 2; issue 41): fewer buffers, the same numbers.
 
-On one device the step (streaming or scan) passes the sums of many small
-leaves as one buffer per dtype (:mod:`optax_accum._step._packing`). Every program's
-results must stay bit-identical to the one-sum layout's, on the benchmark
-models, through a checkpoint and into every path that does not pack.
+On one device ``opt.init(params)`` packs the sums of many small leaves in one
+buffer per dtype (:mod:`optax_accum._core._layout`), and the step (streaming
+or scan) passes them so. Every program's results must stay bit-identical to
+the one-sum layout's, on the benchmark models, through a naive orbax restore
+and into every path that does not pack.
 """
-
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -16,16 +15,21 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from markdown_examples import documented_function
 
 import optax_accum
 from benchmarks import accumulation
+from optax_accum._core import _backend, _layout
 from optax_accum._step import _packing
 from optax_accum._step._programs import counters as _counters
 from optax_accum._step._signature import Inputs
 
 K = 4
-CHECKPOINTING = pathlib.Path(__file__).parent.parent / "docs" / "checkpointing.md"
+
+
+def _min_leaves(monkeypatch, n):
+  """Packs groups of at least ``n`` small leaves on CPU."""
+  cpu = _backend.of("cpu")._replace(min_leaves=n)
+  monkeypatch.setitem(_backend._BACKENDS, "cpu", cpu)
 
 
 def _bitwise_equal(a, b) -> bool:
@@ -36,7 +40,7 @@ def _bitwise_equal(a, b) -> bool:
 def _stream(model, calls, min_leaves, monkeypatch, **step_kwargs):
   """A streaming run of ``calls`` micro-batches with groups of at least
   ``min_leaves`` leaves packed: params, state (one sum), metrics, layout."""
-  monkeypatch.setattr(_packing, "MIN_LEAVES", min_leaves)
+  _min_leaves(monkeypatch, min_leaves)
   opt = optax_accum.MultiSteps(optax.adamw(1e-2, weight_decay=0.1), K)
   step = optax_accum.make_train_step(model["loss_fn"], opt, **step_kwargs)
   params = jax.tree.map(jnp.copy, model["params"])
@@ -49,7 +53,8 @@ def _stream(model, calls, min_leaves, monkeypatch, **step_kwargs):
     end_window = call == K + 1  # The second window ends early.
     params, state, out = step(params, state, rows, end_window=end_window)
     metrics.append(out)
-  return params, step._layouts._unpacked(params, state), metrics, step._known.layout
+  state = state._replace(acc_grads=_layout.one_sum(state.acc_grads))
+  return params, state, metrics, step._known.layout
 
 
 @pytest.mark.parametrize("name", ["leaves-400x32-b4", "lm-1x8-b2"])
@@ -58,7 +63,7 @@ def test_packed_programs_are_bit_identical_on_the_benchmark_models(name, monkeyp
   sums and every metric bit for bit as in the one-sum layout."""
   one_sum = _stream(accumulation.MODELS[name](), 10, 10**9, monkeypatch)
   packed = _stream(accumulation.MODELS[name](), 10, 2, monkeypatch)
-  assert one_sum[3] is None and isinstance(packed[3], _packing.Packing)
+  assert one_sum[3] is None and isinstance(packed[3], _layout.Packing)
   for what, a, b in zip(["params", "state", "metrics"], one_sum, packed, strict=False):
     assert _bitwise_equal(a, b), what
 
@@ -66,7 +71,7 @@ def test_packed_programs_are_bit_identical_on_the_benchmark_models(name, monkeyp
 def _scan(model, windows, min_leaves, monkeypatch, own=False):
   """A scan-mode run of ``windows`` windows of ``K`` micro-batches (``own``:
   from the inner optimizer's own state): params, inner state, metrics."""
-  monkeypatch.setattr(_packing, "MIN_LEAVES", min_leaves)
+  _min_leaves(monkeypatch, min_leaves)
   opt = optax_accum.MultiSteps(optax.adamw(1e-2, weight_decay=0.1), K)
   step = optax_accum.make_train_step(model["loss_fn"], opt, mode="scan")
   params = jax.tree.map(jnp.copy, model["params"])
@@ -165,9 +170,11 @@ def test_a_model_of_many_small_leaves_is_packed_by_default(program, monkeypatch)
   the update the cut sums."""
   model = accumulation.MODELS["leaves-400x32-b4"]()
   packed = _program(model, program)
-  monkeypatch.setattr(_packing, "MIN_LEAVES", 10**9)
+  _min_leaves(monkeypatch, 10**9)
   one_sum = _program(model, program)
-  groups = 400 * 32 * 32 // _packing.MAX_GROUP_SIZE  # 12 full groups, 1 part one.
+  groups = (
+    400 * 32 * 32 // _backend.of("cpu").max_group_size
+  )  # 12 full groups, 1 part one.
   fewer = 399 - groups
   assert (one_sum[0] - packed[0], one_sum[1] - packed[1]) == (fewer, fewer)
   sums = 400 * 32 * 32 * 4
@@ -176,7 +183,7 @@ def test_a_model_of_many_small_leaves_is_packed_by_default(program, monkeypatch)
   assert one_sum[3] < packed[3] <= one_sum[3] + scratch
 
 
-def test_plan_groups_small_leaves_by_dtype_and_size(monkeypatch):
+def test_plan_groups_small_leaves_by_dtype_and_size():
   acc = {
     "big": jnp.zeros((300, 300)),
     "empty": jnp.zeros((0, 4)),
@@ -184,29 +191,49 @@ def test_plan_groups_small_leaves_by_dtype_and_size(monkeypatch):
     "f16": [jnp.zeros(5, jnp.float16) for _ in range(2)],
     "lone": jnp.zeros(7, jnp.bfloat16),
   }
-  packing = _packing.plan(acc, max_leaf_size=1000, min_leaves=2)
+  packing = _layout.plan(acc, max_leaf_size=1000, min_leaves=2)
   leaves = jax.tree.leaves(acc)
   groups = [[jnp.shape(leaves[i]) for i in group] for group in packing.groups]
   assert groups == [[(5,)] * 2, [(2, 3)] * 3]
   assert [jnp.shape(leaves[i]) for i in packing.rest] == [(300, 300), (0, 4), (7,)]
-  assert _packing.plan(acc, max_leaf_size=1000, min_leaves=4) is None
-  packed = _packing.pack(acc, packing)
-  assert _packing.is_packed(packed, packing) and not _packing.is_packed(acc, packing)
-  assert _bitwise_equal(_packing.unpack(packed, packing), acc)
+  assert _layout.plan(acc, max_leaf_size=1000, min_leaves=4) is None
+  packed = _layout.pack(acc, packing)
+  assert isinstance(packed, _layout.Packed) and packed.packing == packing
+  assert _bitwise_equal(_layout.unpack(packed), acc)
   # Gradients of another dtype than the sums' (float16 params here) pack apart.
   params = {**acc, "f32": [jnp.zeros((2, 3), jnp.float16), *acc["f32"][1:]]}
-  packing = _packing.plan(acc, params, max_leaf_size=1000, min_leaves=2)
+  packing = _layout.plan(acc, params, max_leaf_size=1000, min_leaves=2)
   assert [len(group) for group in packing.groups] == [2, 2]
-  # Groups of at most MAX_GROUP_SIZE elements, none of one leaf.
-  monkeypatch.setattr(_packing, "MAX_GROUP_SIZE", 12)
+  # Groups of at most max_group_size elements, none of one leaf.
   acc = [jnp.zeros((2, 3)) for _ in range(5)]
-  assert _packing.plan(acc, min_leaves=2).groups == ((0, 1), (2, 3))
+  assert _layout.plan(acc, min_leaves=2, max_group_size=12).groups == ((0, 1), (2, 3))
+
+
+def test_the_layout_is_the_params_rule_never_a_shape(monkeypatch):
+  """``opt.init`` packs by the rule of the params (one device, no loss terms,
+  no ``should_skip_update_fn``); a packed state and a one-sum state of the
+  same shapes are told apart by their structure."""
+  _min_leaves(monkeypatch, 2)
+  params = {"a": jnp.ones(3), "b": jnp.ones(2)}
+  packed = optax_accum.MultiSteps(optax.sgd(0.1), K).init(params).acc_grads
+  assert isinstance(packed, _layout.Packed) and packed.groups[0].shape == (5,)
+  terms = optax_accum.MultiSteps(optax.sgd(0.1), K, terms=("x", "y"))
+  assert not isinstance(terms.init(params).acc_grads, _layout.Packed)
+  skip = optax_accum.MultiSteps(
+    optax.sgd(0.1), K, should_skip_update_fn=lambda u, s, p: (False, ())
+  )
+  assert not isinstance(skip.init(params).acc_grads, _layout.Packed)
+  mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+  spread = jax.device_put(params, NamedSharding(mesh, P()))
+  assert isinstance(
+    optax_accum.MultiSteps(optax.sgd(0.1), K).init(spread).acc_grads, dict
+  )
 
 
 def _checkpointed(model, split, tmp_path, monkeypatch):
   """Streams ``split`` micro-batches with packing, saves with orbax, and
-  returns the documented ``restore``'s result with the batches that remain."""
-  monkeypatch.setattr(_packing, "MIN_LEAVES", 2)
+  restores against ``opt.init(params)``: the batches that remain."""
+  _min_leaves(monkeypatch, 2)
   # Momentum, not Adam: Adam turns the rounding of the key bias's gradient
   # (0 but for rounding) into steps of its learning rate, path by path.
   opt = optax_accum.MultiSteps(optax.sgd(0.1, momentum=0.9), K)
@@ -216,12 +243,13 @@ def _checkpointed(model, split, tmp_path, monkeypatch):
   state = opt.init(params)
   for batch in batches[:split]:
     params, state, _ = step(params, state, batch)
-  assert isinstance(step._known.layout, _packing.Packing)
+  assert isinstance(step._known.layout, _layout.Packing)
   saver = ocp.StandardCheckpointer()
   saver.save(tmp_path / "ckpt", {"params": params, "opt_state": state, "position": 0})
   saver.wait_until_finished()
-  restore = documented_function(CHECKPOINTING, "restore")
-  restored = restore(tmp_path / "ckpt", model["params"], opt)
+  fresh = jax.tree.map(jnp.zeros_like, model["params"])
+  target = {"params": fresh, "opt_state": opt.init(fresh), "position": 0}
+  restored = saver.restore(tmp_path / "ckpt", target)
   return opt, restored["params"], restored["opt_state"], batches
 
 
@@ -255,9 +283,9 @@ def _paths(model, opt):
 
 @pytest.mark.parametrize("split", [2, K + 3], ids=["first-window", "second-window"])
 def test_a_packed_checkpoint_resumes_on_every_path(split, tmp_path, monkeypatch):
-  """Restored with docs/checkpointing.md's recipe: a fresh streaming step
-  resumes bit-identical. Paths that never pack unpack it and end within 1e-6
-  of their own uninterrupted run."""
+  """Restored against ``opt.init(params)``: a fresh streaming step resumes
+  bit-identical. Paths that never pack unpack it and end within 1e-6 of
+  their own uninterrupted run."""
   model = accumulation.MODELS["lm-1x8-b2"]()
   opt, params, state, batches = _checkpointed(model, split, tmp_path, monkeypatch)
   fresh = optax_accum.make_train_step(model["loss_fn"], opt)
@@ -282,7 +310,7 @@ def test_a_packed_state_joins_a_scan_window(monkeypatch):
   """A window streamed halfway (packed) and finished by a scan-mode step:
   the same params as the whole window streamed."""
   model = accumulation.MODELS["lm-1x8-b2"]()
-  monkeypatch.setattr(_packing, "MIN_LEAVES", 2)
+  _min_leaves(monkeypatch, 2)
   opt = optax_accum.MultiSteps(optax.adamw(1e-2), K)
   stream = optax_accum.make_train_step(model["loss_fn"], opt, donate=False)
   scan = optax_accum.make_train_step(model["loss_fn"], opt, mode="scan", donate=False)
@@ -290,7 +318,7 @@ def test_a_packed_state_joins_a_scan_window(monkeypatch):
   params, state = model["params"], opt.init(model["params"])
   for batch in batches[:2]:
     params, state, _ = stream(params, state, batch)
-  assert isinstance(stream._known.layout, _packing.Packing)
+  assert isinstance(stream._known.layout, _layout.Packing)
   rest = jax.tree.map(lambda *rows: np.stack(rows), *batches[2:])
   got, state, _ = scan(params, state, rest)
   want, _ = _finish(stream, model["params"], opt.init(model["params"]), batches)
@@ -298,17 +326,28 @@ def test_a_packed_state_joins_a_scan_window(monkeypatch):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), want, got)
 
 
-def test_multi_steps_update_refuses_a_packed_state_clearly(monkeypatch):
-  """The optax path takes one sum only; a state the step packed is named."""
-  monkeypatch.setattr(_packing, "MIN_LEAVES", 2)
+def test_multi_steps_update_takes_a_packed_state_and_keeps_it_packed(monkeypatch):
+  """``opt.update`` by hand on the step's packed state: unpacked inside,
+  packed again, bit for bit the one-sum arithmetic; params that gained a
+  leaf are named at once, by the step and by ``opt.update``."""
+  _min_leaves(monkeypatch, 2)
   params = {"a": jnp.ones(3), "b": jnp.ones(2)}
   opt = optax_accum.MultiSteps(optax.sgd(0.1), K)
 
   def loss_fn(params, batch):
-    return (params["a"].sum() + params["b"].sum()) * batch, 1.0
+    return sum(v.sum() for v in params.values()) * batch, 1.0
 
   step = optax_accum.make_train_step(loss_fn, opt, donate=False)
   _, state, _ = step(params, opt.init(params), jnp.float32(1))
-  assert jnp.shape(state.acc_grads["a"]) == (5,)
-  with pytest.raises(ValueError, match="packed or per replica, goes back to that"):
-    opt.update(jax.tree.map(jnp.ones_like, params), state, params)
+  assert isinstance(state.acc_grads, _layout.Packed)
+  grads = jax.tree.map(jnp.ones_like, params)
+  _, got = jax.jit(opt.update)(grads, state, params)
+  assert isinstance(got.acc_grads, _layout.Packed)
+  plain = state._replace(acc_grads=_layout.unpack(state.acc_grads))
+  _, want = opt.update(grads, plain, params)
+  assert _bitwise_equal(_layout.unpack(got.acc_grads), want.acc_grads)
+  grown = {**params, "c": jnp.ones(4)}
+  with pytest.raises(ValueError, match=r"leaf \['c'\]"):
+    opt.update(jax.tree.map(jnp.ones_like, grown), state, grown)
+  with pytest.raises(ValueError, match=r"leaf \['c'\]"):
+    step(grown, state, jnp.float32(1))

@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum._step import _packing
+from optax_accum._core import _backend, _layout
 
 #: Examples in CI, spread over the paths (about 1 s of CPU each).
 DEFAULT_EXAMPLES = 75  # 5 for each of the 15 paths.
@@ -417,11 +417,8 @@ def _train_step(config, opt, mode="stream", contract=False, **kwargs):
 
 def _run_stream(config, plan, rng, key, *, variant):
   if variant == "packed":  # Sums of every 2 or more leaves of a dtype packed.
-    default, _packing.MIN_LEAVES = _packing.MIN_LEAVES, 2
-    try:
+    with _backend.overridden(jax.default_backend(), min_leaves=2):
       return _run_stream(config, plan, rng, key, variant="host")
-    finally:
-      _packing.MIN_LEAVES = default
   opt = _optimizer(config)
   params = _params(config, rng)
   params0 = jax.tree.map(_seen, params)
@@ -453,8 +450,7 @@ def _run_stream(config, plan, rng, key, *, variant):
   for (mb,), _ in plan:
     end = jnp.asarray(mb.end_window) if variant == "in_jit" else mb.end_window
     params, state, metrics = run(params, state, _batch(config, mb), key, end)
-    state_ = step._layouts._unpacked(params, state)  # One sum, if packed.
-    observed.append(_observe(state_, params=params, metrics=metrics))
+    observed.append(_observe(_one_sum(state), params=params, metrics=metrics))
   return params0, observed
 
 
@@ -552,12 +548,7 @@ def _run_jit_sharded(config, plan, rng, key, explicit=False):
     rows = jax.device_put(_by_term(config, parts), NamedSharding(mesh, P("data")))
     params, state, metrics = step(params, state, rows, key, end_window=mb.end_window)
     # On an Explicit mesh each device keeps its partial sum: compare their sum.
-    summed = [
-      jax.tree.map(_partial_sums_added, acc, params)
-      for acc in _per_term(state.acc_grads)
-    ]
-    seen = state._replace(acc_grads=tuple(summed) if config.terms else summed[0])
-    observed.append(_observe(seen, params=params, metrics=metrics))
+    observed.append(_observe(_one_sum(state), params=params, metrics=metrics))
   return params0, observed
 
 
@@ -581,13 +572,15 @@ def _split_rows(rows: dict, devices: int, rng: np.random.Generator) -> dict:
   return out
 
 
-def _partial_sums_added(acc, param):
-  """The window's sum from an accumulator with a leading replica axis."""
-  acc = np.asarray(acc)
-  if acc.ndim != np.ndim(param) + 1:
-    return acc
-  with np.errstate(invalid="ignore", over="ignore"):  # inf + -inf: NaN, as wanted.
-    return acc.sum(0, dtype=acc.dtype)
+def _one_sum(state):
+  """``state`` with its accumulator as one sum: unpacked, or the replicas'
+  partial sums added up (in their dtype; inf + -inf: NaN, as wanted)."""
+  acc = state.acc_grads
+  if isinstance(acc, _layout.PerReplica):
+    with np.errstate(invalid="ignore", over="ignore"):
+      sums = jax.tree.map(lambda a: np.asarray(a).sum(0, dtype=a.dtype), acc.sums)
+    return state._replace(acc_grads=sums)
+  return state._replace(acc_grads=_layout.one_sum(acc))
 
 
 def _run_jit_axis_name(config, plan, rng, key):
@@ -613,11 +606,7 @@ def _run_jit_axis_name(config, plan, rng, key):
       params, state, metrics = step(params, state, batch, key, end_window=end)
     keys = metrics.pop("aux", None)
     # The state holds each replica's partial sum: compare the window's sum.
-    with np.errstate(invalid="ignore", over="ignore"):  # inf + -inf: NaN.
-      summed = jax.tree.map(lambda a: np.asarray(a).sum(0), state.acc_grads)
-    observed.append(
-      _observe(state._replace(acc_grads=summed), params=params, metrics=metrics)
-    )
+    observed.append(_observe(_one_sum(state), params=params, metrics=metrics))
     if keys is not None:  # Replica axis leading (after the micro-batch axis).
       keys = np.asarray(keys)
       observed[-1]["replica_keys"] = np.moveaxis(keys, 1, 0) if is_scan else keys

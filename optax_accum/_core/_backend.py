@@ -34,7 +34,8 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -69,6 +70,28 @@ _DEFAULT = Backend()
 def of(platform: str) -> Backend:
   """The choices for ``platform`` (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``)."""
   return _BACKENDS.get(platform, _DEFAULT)
+
+
+@contextlib.contextmanager
+def overridden(platform: str, **choices: Any) -> Iterator[None]:
+  """Within the block, ``platform``'s :class:`Backend` with ``choices``
+  changed (for tests and measurements: packing thresholds, say). Programs
+  already built keep the choices they were built with.
+
+  Examples:
+    >>> with overridden("cpu", min_leaves=2):
+    ...   of("cpu").min_leaves
+    2
+  """
+  before = _BACKENDS.get(platform)
+  _BACKENDS[platform] = of(platform)._replace(**choices)
+  try:
+    yield
+  finally:
+    if before is None:
+      del _BACKENDS[platform]
+    else:
+      _BACKENDS[platform] = before
 
 
 def platform_of(tree: Any) -> str:

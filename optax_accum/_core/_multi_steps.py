@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike, DTypeLike
 
-from optax_accum._core import _backend, _checks, _reduction, _terms
+from optax_accum._core import _backend, _checks, _layout, _reduction, _terms
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import (
   WINDOW_MICRO_STEPS,
@@ -57,6 +57,20 @@ def _check_optimizer(opt: Any) -> None:
     )
 
 
+def _entered(state: MultiStepsState) -> tuple[MultiStepsState, Any]:
+  """``state`` with its sums as one sum, and their packing (or ``None``)."""
+  acc = state.acc_grads
+  if isinstance(acc, _layout.PerReplica):
+    raise ValueError(
+      "`state` holds per-replica partial sums (a train step's state on a mesh, "
+      "from step.init): MultiSteps.update takes one sum. Convert it with "
+      "optax_accum.relayout(state, opt.init(params))."
+    )
+  if isinstance(acc, _layout.Packed):
+    return state._replace(acc_grads=_layout.unpack(acc)), acc.packing
+  return state, None
+
+
 class MultiSteps:
   r"""Accumulates gradients over a window of micro-batches, weighted by items.
 
@@ -74,6 +88,11 @@ class MultiSteps:
   ``weight`` every micro-batch weighs 1, as in ``optax.MultiSteps``. What each
   kind of micro-batch (padding only, a bad weight, a non-finite gradient)
   does to the window is in ``docs/multi_steps.md``.
+
+  :meth:`init` lays the sums out by a rule of the params alone: packed in a
+  few buffers (``acc_grads`` a ``Packed`` node) where params are on one
+  device and a dtype has many small leaves, without ``terms`` or
+  ``should_skip_update_fn``; every call returns the layout it was given.
 
   Args:
     opt: The optimizer to run once per window.
@@ -231,8 +250,12 @@ class MultiSteps:
     inner_opt_state = self._opt.init(params)
     check_single_accumulation(inner_opt_state)
     count, weight = jnp.int32, _terms.weight(window).dtype  # A buffer per field:
+    fields = _terms.joined(window, config.terms)._asdict()
+    packing = _layout.packing_for(config, params, fields["acc_grads"])
+    if packing is not None:
+      fields["acc_grads"] = _layout.pack(fields["acc_grads"], packing)
     return MultiStepsState(  # a state is donated leaf by leaf.
-      **_terms.joined(window, config.terms)._asdict(),
+      **fields,
       gradient_step=gradient_step,
       inner_opt_state=inner_opt_state,
       updated=jnp.zeros([], jnp.bool_),
@@ -279,6 +302,7 @@ class MultiSteps:
       positive weight, exact zeros on every other call; and the new state.
     """
     check_extra_args(extra_args, loss)
+    state, packing = _entered(state)
     reduction = _reduction.policy(self.config.axis_name)
     added, counted = add_micro_batch(
       self.config, state, updates, params, weight=weight, loss=loss, reduction=reduction
@@ -296,13 +320,13 @@ class MultiSteps:
       finite = ~reduction.any(_terms.nonfinite(window, squares), added.acc_weight)
       new, inner = run_inner(self.config, self._opt, grads, added, params, extra_args)
       new = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new)
-      old = added.inner_opt_state
+      old = jax.tree.map(typed_like, added.inner_opt_state, inner)
       inner = jax.tree.map(lambda n, o: jnp.where(finite, n, o), inner, old)
       return new, inner, finite
 
     def hold() -> tuple[Any, Any, jax.Array]:  # Typed like apply's outputs.
       new, inner, finite = jax.eval_shape(apply)
-      zeros = jax.tree.map(lambda a: typed_like(jnp.zeros(a.shape, a.dtype), a), new)
+      zeros = jax.tree.map(lambda a: typed_like(jnp.zeros_like(a), a), new)
       unchanged = jax.tree.map(typed_like, added.inner_opt_state, inner)
       return zeros, unchanged, typed_like(jnp.array(False), finite)
 
@@ -317,6 +341,9 @@ class MultiSteps:
       inner,
       divided_loss=self.window_loss(added),
     )
+    if packing is not None:  # Returned in the layout it came in.
+      packed = _layout.pack(new_state.acc_grads, packing)
+      new_state = new_state._replace(acc_grads=packed)
     return new_updates, new_state
 
   def has_updated(self, state: MultiStepsState) -> jax.Array:

@@ -83,8 +83,9 @@ def _whole(
   """The micro-batch's gradient over all replicas, as one device computes it.
 
   Partial sums (:class:`~optax_accum._core._reduction.Deferred`) are reduced;
-  replicas' gradients of means are averaged by their weights (bad weights
-  count 0), of sums summed: one more reduction of a gradient per micro-batch.
+  replicas' gradients of means are averaged by their weights (weights of 0
+  or below count 0, non-finite ones make it NaN), of sums summed: one more
+  reduction of a gradient per micro-batch.
   """
   if not reduction.axes:
     return reduction.window_gradient(grads)
@@ -101,8 +102,10 @@ def _whole_term(
   if config.grad_reduction != "mean":
     return jax.tree.map(reduction.sum, grads)
   w = reduction.own(_checks.scalar(weight, name="weight", dtype=dtype))
-  w = jnp.where(jnp.isfinite(w) & (w > 0), w, jnp.zeros_like(w))
-  total = reduction.sum(w)
+  total = reduction.sum(jnp.where(jnp.isfinite(w) & (w > 0), w, jnp.zeros_like(w)))
+  # A replica of weight 0 or below adds nothing; one of a non-finite weight
+  # adds NaN, as its gradient is on one device.
+  w = jnp.where((w > 0) | ~jnp.isfinite(w), w, jnp.zeros_like(w))
   return jax.tree.map(lambda x: _mean_of(x, w, total, reduction), grads)
 
 
@@ -115,7 +118,7 @@ def _mean_of(x: Any, w: jax.Array, total: jax.Array, reduction: Any) -> jax.Arra
     return x
   wide = _window.accumulator_dtype(x.dtype, None)
   term = x.astype(wide) * w.astype(wide)
-  term = jnp.where(w > 0, term, jnp.zeros_like(term))
+  term = jnp.where(w != 0, term, jnp.zeros_like(term))
   total = total.astype(wide)
   mean = reduction.sum(term) / jnp.where(total > 0, total, jnp.ones_like(total))
   return mean.astype(x.dtype)
@@ -290,8 +293,9 @@ def typed_like(x: Any, like: Any) -> jax.Array:
   aval = like if isinstance(like, jax.ShapeDtypeStruct) else jax.typeof(like)
   want = getattr(aval, "sharding", None)
   have = getattr(jax.typeof(x), "sharding", None)
-  both = isinstance(want, NamedSharding) and isinstance(have, NamedSharding)
-  if both and have.spec != want.spec and want.mesh.are_all_axes_explicit:
+  if not (isinstance(want, NamedSharding) and isinstance(have, NamedSharding)):
+    return x
+  if have.spec != want.spec and want.mesh.are_all_axes_explicit:
     x = jax.sharding.reshard(x, want.spec)
   return x
 

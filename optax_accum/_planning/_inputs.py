@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from optax_accum._core import _layout
 from optax_accum._core._checks import whole_number
 from optax_accum._core._multi_steps import MultiSteps, MultiStepsState
 
@@ -109,7 +110,10 @@ def _row_shards(path: Any, leaf: jax.ShapeDtypeStruct) -> int:
 def opt_state_structs(opt_state: Any, optimizer: MultiSteps, params: Any) -> Any:
   """The given ``MultiSteps`` state as structs, or the one ``init`` would build."""
   if opt_state is None:
-    return _sharded_like_params(jax.eval_shape(optimizer.init, params), params)
+    state = jax.eval_shape(optimizer.init, params)
+    if _layout.devices(params) > 1:  # As init on arrays: no packing on a mesh.
+      state = state._replace(acc_grads=_layout.one_sum(state.acc_grads))
+    return _sharded_like_params(state, params)
   opt_state = jax.tree.map(struct, opt_state)
   if not isinstance(opt_state, MultiStepsState):
     raise ValueError(

@@ -1,42 +1,40 @@
 """Where a train step's accumulator lives for a call, and the programs for it.
 
-One sum, in the programs the step builds first, packed where the model has
-many small leaves (:mod:`optax_accum._step._packing`); or per-replica partial sums
-(:class:`optax_accum._step._replicas.DataLayout`) under plain ``jit``: added in a
-``shard_map`` with ``axis_name`` (:mod:`optax_accum._step._replicas`), or in the
-global view with gradients left ``unreduced`` on an ``Explicit`` mesh
-(:mod:`optax_accum._step._deferred`). The host chooses for a state the step did not
-return last; the programs for each layout are built once.
+The state's structure says the layout (:mod:`optax_accum._core._layout`): one
+sum, :class:`~optax_accum._core._layout.Packed` (``opt.init(params)`` on one
+device, many small leaves: :mod:`optax_accum._step._packing`) or
+:class:`~optax_accum._core._layout.PerReplica` partial sums under plain ``jit``
+(``step.init(params)`` on a mesh): added in a ``shard_map`` with ``axis_name``
+(:mod:`optax_accum._step._replicas`), or in the global view with gradients left
+``unreduced`` on an ``Explicit`` mesh (:mod:`optax_accum._step._deferred`).
+Called from Python, the host converts a state the step did not return last to
+the layout of the call; traced, the step returns the layout it was given. The
+programs for each layout are built once.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 
-from optax_accum._core import _reduction, _terms
+from optax_accum._core import _checks, _layout, _reduction, _terms
+from optax_accum._core._layout import Packed, Packing, PerReplica
 from optax_accum._core._multi_steps import MultiSteps, MultiStepsState
-from optax_accum._step import _deferred, _packing
-from optax_accum._step._packing import (
-  PackedBodies,
-  PackedProgram,
-  PackedUpdate,
-  Packing,
-  Recent,
-)
+from optax_accum._step import _deferred
+from optax_accum._step._packing import PackedBodies, PackedProgram, PackedUpdate
 from optax_accum._step._programs import Bodies, counters
 from optax_accum._step._replicas import (
   DataLayout,
+  PerReplicaProgram,
   as_returned,
   data_layout,
-  has_partial_sums,
   mesh_of,
   per_replica,
   sharded_programs,
-  summed,
 )
 from optax_accum._step._signature import (
   ACCUMULATE_DONATES,
@@ -78,94 +76,125 @@ class Layouts:
     programs return them (see :func:`as_returned`), the accumulator in this
     call's layout.
 
-    Under plain ``jit`` (concrete arrays: not inside ``shard_map``) with
-    ``axis_name``, or with a batch split over ``Explicit`` data axes, the
-    accumulator holds per-replica partial sums; anywhere else one sum, packed
-    on one device. Called for a state the step did not return last (and in
-    scan mode on every call).
+    Traced (inside the user's ``jit`` or ``scan``), the state's own layout:
+    a packed state runs the packed programs, per-replica partial sums are
+    added up here and restacked by :meth:`restacked`. From Python: on no mesh
+    the layout ``opt.init(params)`` gives; under plain ``jit`` with
+    ``axis_name``, or with a batch split over ``Explicit`` data axes,
+    per-replica partial sums. Called for a state the step did not return last
+    (and in scan mode on every call).
     """
+    acc = opt_state.acc_grads
     if is_traced(params, opt_state, batch):
-      return params, self._summed(params, self._unpacked(params, opt_state)), None
+      if isinstance(acc, Packed):
+        return params, opt_state, acc.packing
+      return params, self.in_layout(opt_state, None), None
     mesh = mesh_of(params, batch)
-    packing = None if mesh is not None else self._packing_of(params)
-    if packing is not None:
-      return params, self._packed(params, opt_state, packing), packing
-    opt_state = self._unpacked(params, opt_state)
+    if mesh is None and self.bodies.config.axis_name is None:
+      packing = self._packing(params)
+      return params, self.in_layout(opt_state, packing), packing
     if mesh is not None:
       params, opt_state = as_returned((params, opt_state), mesh)
+    layout = self._data_layout(params, opt_state, batch, rng)
+    return params, self.in_layout(opt_state, layout, params), layout
+
+  def _data_layout(
+    self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
+  ) -> DataLayout | None:
+    """The per-replica layout of a call on a mesh, if it has one."""
     config = self.bodies.config
-    layout: DataLayout | None
     if config.axis_name is not None:
       scan = self.mode == "scan"
-      layout = data_layout(config.axis_name, params, batch, scan=scan)
-    else:
-      layout = self._deferred_layout(params, opt_state, batch, rng)
-    if layout is None:
-      return params, self._summed(params, opt_state), None
-    accs = [per_replica(acc, params, layout) for acc in self._accumulators(opt_state)]
-    return params, self._rebuilt(opt_state, accs), layout
+      return data_layout(config.axis_name, params, batch, scan=scan)
+    return self._deferred_layout(params, opt_state, batch, rng)
+
+  def init_layout(self, params: Any) -> DataLayout | None:
+    """The per-replica layout ``step.init(params)`` gives, from params and
+    the step's settings alone: with ``axis_name``, its axes on the params'
+    mesh; without, on an ``Explicit`` mesh, the ``Explicit`` axes no param is
+    split over (if they hold more than one replica)."""
+    mesh = mesh_of(params)
+    if mesh is None:
+      return None
+    config = self.bodies.config
+    split = {a for p in jax.tree.leaves(params) for a in _split_over(p)}
+    if config.axis_name is not None:
+      axes = _checks.axes(config.axis_name)
+      return None if split & set(axes) else DataLayout(mesh, axes)
+    if config.on_nonfinite == "skip_micro_batch":
+      return None
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    axes = tuple(
+      a for a in mesh.axis_names if types[a] == AxisType.Explicit and a not in split
+    )
+    if math.prod(mesh.shape[a] for a in axes) <= 1:
+      return None
+    return DataLayout(mesh, axes, (False,) * len(jax.tree.leaves(params)))
 
   def on_one_sum(self, params: Any, inner: Any, batch: Any) -> bool:
     """Whether a call starting an empty window runs on one sum, unpacked, in
-    the programs of ``one_sum``: traced, or on one device without
-    ``axis_name``. (A state without sums has nothing to pack.)"""
+    the programs of ``one_sum``: traced, or on no mesh. (A state without sums
+    has nothing to pack.)"""
     if is_traced(params, inner, batch):
       return True
-    return mesh_of(params, batch) is None and self._on_one_device(params)
+    return mesh_of(params, batch) is None and self.bodies.config.axis_name is None
 
-  def _accumulators(self, opt_state: MultiStepsState) -> tuple[Any, ...]:
-    """The state's accumulators, one per loss term."""
-    return _terms.per_term(opt_state.acc_grads, self.bodies.config.terms)
-
-  def _rebuilt(self, opt_state: MultiStepsState, accs: Any) -> MultiStepsState:
-    return opt_state._replace(acc_grads=_terms.stored(accs, self.bodies.config.terms))
-
-  def _summed(self, params: Any, opt_state: MultiStepsState) -> MultiStepsState:
-    """``opt_state`` (unpacked) with one sum: per-replica partial sums added
-    up."""
-    accs = self._accumulators(opt_state)
-    if not any(has_partial_sums(acc, params) for acc in accs):
+  def restacked(self, given: Any, opt_state: MultiStepsState) -> MultiStepsState:
+    """Traced: ``opt_state``'s one sum as the first replica's partial sum,
+    stacked as ``given`` (a :class:`PerReplica` accumulator the call was
+    given), so a ``scan`` carry keeps its type; else ``opt_state``."""
+    if not isinstance(given, PerReplica) or isinstance(opt_state.acc_grads, PerReplica):
       return opt_state
-    return self._rebuilt(opt_state, [summed(acc, params) for acc in accs])
+    n = _layout.replicas(given)
+
+    def stack(total: Any, like: Any) -> Any:
+      out = _layout.first_replica(total, n)
+      sharding = getattr(jax.typeof(like), "sharding", None)
+      if isinstance(sharding, NamedSharding) and not sharding.mesh.empty:
+        out = jax.sharding.reshard(out, sharding)
+      return out
+
+    sums = jax.tree.map(stack, opt_state.acc_grads, given.sums)
+    return opt_state._replace(acc_grads=PerReplica(sums, given.axes))
+
+  def _accumulators(self, acc: Any) -> tuple[Any, ...]:
+    """An accumulator (one sum or stacked), one per loss term."""
+    return _terms.per_term(acc, self.bodies.config.terms)
+
+  def _stored(self, accs: Any) -> Any:
+    return _terms.stored(accs, self.bodies.config.terms)
 
   def _packing(self, params: Any) -> Packing | None:
-    """The packing of the accumulator for ``params``, if it has one: none
-    with loss terms (each term its own sums) or ``should_skip_update_fn``
-    (which gets the gradient laid out as the params)."""
-    config = self.bodies.config
-    if config.terms is not None or config.should_skip_update_fn is not None:
-      return None
+    """The packing ``opt.init(params)`` gives (see
+    :func:`optax_accum._core._layout.packing_for`), once per shapes."""
     key = avals(params)
     if key not in self._packings:
       shapes = jax.eval_shape(self.bodies.optimizer.init, params).acc_grads
-      self._packings[key] = _packing.plan(shapes, params)
+      packing = shapes.packing if isinstance(shapes, Packed) else None
+      self._packings[key] = packing
     return self._packings[key]
 
-  def _unpacked(self, params: Any, opt_state: MultiStepsState) -> MultiStepsState:
-    """``opt_state`` with its accumulator unpacked, if it was packed."""
-    packing = self._packing(params)
-    if packing is None or not _packing.is_packed(opt_state.acc_grads, packing):
-      return opt_state
-    return opt_state._replace(acc_grads=_packing.unpack(opt_state.acc_grads, packing))
-
-  def _packing_of(self, params: Any) -> Packing | None:
-    """The packing a call on no mesh, outside the user's ``jit``, runs with:
-    on one device without ``axis_name``; else ``None``."""
-    return self._packing(params) if self._on_one_device(params) else None
-
-  def _on_one_device(self, params: Any) -> bool:
-    """Whether params (on no mesh) are on one device, without ``axis_name``."""
-    no_axis = self.bodies.config.axis_name is None
-    return no_axis and len(_devices(params)) <= 1
-
-  def _packed(
-    self, params: Any, opt_state: MultiStepsState, packing: Packing
+  def in_layout(
+    self, opt_state: MultiStepsState, layout: Layout, params: Any = None
   ) -> MultiStepsState:
-    """``opt_state`` with one sum in ``packing``'s layout (kept if it is)."""
-    if _packing.is_packed(opt_state.acc_grads, packing):
-      return opt_state
-    state = self._summed(params, opt_state)
-    return state._replace(acc_grads=_packing.pack(state.acc_grads, packing))
+    """``opt_state`` with its accumulator in ``layout`` (kept if it is):
+    exact, but for partial sums of another layout, added up first."""
+    acc = opt_state.acc_grads
+    if isinstance(layout, Packing):
+      if isinstance(acc, Packed) and acc.packing == layout:
+        return opt_state
+      return opt_state._replace(acc_grads=_layout.pack(_layout.one_sum(acc), layout))
+    if isinstance(layout, DataLayout):
+      if isinstance(acc, PerReplica) and acc.axes == layout.axes:
+        stacked, one = acc.sums, None
+      else:
+        stacked, one = None, _layout.one_sum(acc)
+      accs = self._accumulators(one if stacked is None else stacked)
+      placed = [per_replica(a, params, layout, stacked is not None) for a in accs]
+      return opt_state._replace(acc_grads=PerReplica(self._stored(placed), layout.axes))
+    if isinstance(acc, Packed | PerReplica):
+      return opt_state._replace(acc_grads=_layout.one_sum(acc))
+    return opt_state
 
   def _deferred_layout(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
@@ -191,7 +220,11 @@ class Layouts:
           return False  # anyway: with nothing cast, the call raises it).
         return True
 
-      self._chosen[key] = _deferred.choose_leaves(layout, fits, params)
+      chosen = _deferred.choose_leaves(layout, fits, params)
+      # Nothing castable: every gradient XLA reduces goes to the first
+      # replica's partial sum; the stored layout is the same.
+      flags = (False,) * len(jax.tree.leaves(params))
+      self._chosen[key] = chosen or layout._replace(deferred=flags)
     return self._chosen[key]
 
   def _bodies_under(self, policy: _reduction.Local) -> Bodies:
@@ -213,15 +246,17 @@ class Layouts:
       else:
         bodies = self._bodies_under(_reduction.policy(layout.axes, at_window_end=True))
         built = sharded_programs(layout, bodies, scan=scan, donate=self.donate)
+      if not isinstance(layout, Packing):
+        built = Pair(*(PerReplicaProgram(layout.axes, p) for p in built))
       self._built[layout] = built
     return self._built[layout]
 
   def _packed_programs(self, packing: Packing) -> Pair:
     """The programs on a packed accumulator (one sum)."""
-    recent, bodies = Recent(packing), PackedBodies(self.bodies, packing)
+    bodies = PackedBodies(self.bodies, packing)
 
     def packed(body: Body, donates: tuple[str, ...]) -> PackedProgram:
-      return PackedProgram(recent, Program(body, donates, self.donate))
+      return PackedProgram(packing, Program(body, donates, self.donate))
 
     accumulate = packed(bodies.accumulate, ACCUMULATE_DONATES)
     if self.mode == "scan":
@@ -231,11 +266,12 @@ class Layouts:
     return Pair(accumulate, PackedUpdate(accumulate, ending, merged))
 
 
-def _devices(tree: Any) -> set[Any]:
-  """The devices ``tree``'s arrays are on (host arrays are on none)."""
-  return {
-    d for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) for d in x.devices()
-  }
+def _split_over(param: Any) -> tuple[str, ...]:
+  """The mesh axes ``param`` is split over."""
+  sharding = getattr(param, "sharding", None)
+  if not isinstance(sharding, NamedSharding):
+    return ()
+  return tuple(a for entry in sharding.spec for a in _checks.axes(entry))
 
 
 def avals(tree: Any) -> tuple[Any, ...]:
@@ -248,8 +284,14 @@ def avals(tree: Any) -> tuple[Any, ...]:
 
 def _stacked_like(optimizer: MultiSteps, params: Any, layout: DataLayout) -> Any:
   """Shapes of the accumulator in ``layout`` (per-replica partial sums)."""
-  names = optimizer.config.terms
-  trees = _terms.per_term(jax.eval_shape(optimizer.init, params).acc_grads, names)
+  config = optimizer.config
+  names = config.terms
+
+  def sums(params: Any) -> Any:
+    window = _terms.empty(params, config.accumulator_dtype, names)
+    return _terms.joined(window, names).acc_grads
+
+  trees = _terms.per_term(jax.eval_shape(sums, params), names)
 
   def stacked(a: Any, p: Any) -> jax.ShapeDtypeStruct:
     spec = tuple(p.sharding.spec) + (None,) * (jnp.ndim(p) - len(p.sharding.spec))

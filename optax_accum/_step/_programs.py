@@ -75,8 +75,11 @@ def metrics(
   lr: Any,
 ) -> Metrics:
   """The step's metrics from the window so far (``added``) and the new state;
-  with loss terms, each term's mean loss and weight under ``"terms"``."""
-  window = ms.window_of(config, added)
+  with loss terms, each term's mean loss and weight under ``"terms"``. The
+  sums are not read (they may be in any layout)."""
+  names = config.terms
+  no_sums = None if names is None else (None,) * len(names)
+  window = ms.window_of(config, added._replace(acc_grads=no_sums))
   out: Metrics = {
     "loss": loss,
     "weight": _terms.weight(window),
@@ -253,7 +256,8 @@ class Bodies:
     added, _, aux = self._add(inputs.params, state, inputs.batch, inputs.rng)
     loss = self.optimizer.window_loss(added)
     # Typed as the update's norm: the window weight's dtype.
-    out = {"loss": loss, "grad_norm": jnp.zeros([], added.acc_weight.dtype)}
+    dtype = jnp.result_type(*jax.tree.leaves(added.acc_weight))
+    out = {"loss": loss, "grad_norm": jnp.zeros([], dtype)}
     return Outputs(None, None, added.acc_grads, counters(added), out, aux)
 
   def update(self, inputs: Inputs) -> Outputs:

@@ -4,9 +4,10 @@ With ``make_train_step(..., axis_name="data")`` called under plain ``jit`` on a
 batch sharded over mesh axis ``"data"``, the step runs its programs in a
 ``shard_map`` over that axis: each replica adds its own rows' weighted
 gradient to its own partial sum, and the partial sums are added up once, when
-the window ends. Between calls the state's accumulator holds the partial sums
-with a leading axis of replicas, sharded over the data axis: every device
-keeps one params-sized sum, as a replicated accumulator would.
+the window ends. Between calls the state's accumulator is a
+:class:`~optax_accum._core._layout.PerReplica` of the partial sums, with a
+leading axis of replicas sharded over the data axis: every device keeps one
+params-sized sum, as a replicated accumulator would.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._core._checks import axes as _axes
+from optax_accum._core._layout import PerReplica
 from optax_accum._core._reduction import AxisName
 from optax_accum._step._programs import Bodies
 from optax_accum._step._signature import (
@@ -102,25 +104,22 @@ def data_layout(
   return DataLayout(mesh, axes)
 
 
-def _is_stacked(leaf: jax.Array, param: Any) -> bool:
-  return jnp.ndim(leaf) == jnp.ndim(param) + 1
-
-
-def per_replica(acc: Any, params: Any, layout: DataLayout) -> Any:
+def per_replica(acc: Any, params: Any, layout: DataLayout, stacked: bool) -> Any:
   """``acc`` as per-replica partial sums: a leading axis of replicas.
 
-  Partial sums for this many replicas are placed as they are (a checkpoint
-  restores them as host arrays). A summed accumulator becomes the first
-  replica's partial sum (the others start from zeros), so a window in
-  progress carries on exactly; partial sums for another number of replicas
-  are summed first. Each partial sum is sharded like its param over the
-  other mesh axes, ``Explicit`` ones included.
+  ``stacked``: ``acc`` holds partial sums already (of a :class:`PerReplica`
+  accumulator over ``layout``'s axes); for this many replicas they are placed
+  as they are (a checkpoint restores them as host arrays), for another
+  number summed first. One sum becomes the first replica's partial sum (the
+  others start from zeros), so a window in progress carries on exactly.
+  Each partial sum is sharded like its param over the other mesh axes,
+  ``Explicit`` ones included.
   """
   n = layout.replicas
 
   def convert(a: Any, p: Any) -> jax.Array:
     rest = _spec_on(layout.mesh, p) or (None,) * jnp.ndim(p)
-    if _is_stacked(a, p):
+    if stacked:
       if a.shape[0] == n:
         return _placed(a, NamedSharding(layout.mesh, layout.spec(*rest)))
       a = jnp.sum(a, axis=0, dtype=a.dtype)
@@ -164,21 +163,6 @@ def _first_replica(layout: DataLayout, spec: P) -> Any:
   return jax.jit(stacked, out_shardings=NamedSharding(layout.mesh, layout.spec(*spec)))
 
 
-def summed(acc: Any, params: Any) -> Any:
-  """``acc`` with per-replica partial sums (see :func:`per_replica`) added up,
-  each sum placed like its param."""
-
-  def one_sum(a: Any, p: Any) -> Any:
-    if not _is_stacked(a, p):
-      return a
-    total = jnp.sum(a, axis=0, dtype=a.dtype)
-    if isinstance(p, jax.Array) and not isinstance(p, jax.core.Tracer):
-      return _placed(total, p.sharding)
-    return total
-
-  return jax.tree.map(one_sum, acc, params)
-
-
 def mesh_of(*trees: Any) -> jax.sharding.Mesh | None:
   """The mesh of the first leaf placed with a ``NamedSharding``, if any."""
   for leaf in jax.tree.leaves(trees):
@@ -214,12 +198,20 @@ def as_returned(tree: Any, mesh: jax.sharding.Mesh) -> Any:
   return jax.tree.map(place, tree)
 
 
-def has_partial_sums(acc: Any, params: Any) -> bool:
-  """Whether ``acc`` holds per-replica partial sums."""
-  return any(
-    _is_stacked(a, p)
-    for a, p in zip(jax.tree.leaves(acc), jax.tree.leaves(params), strict=False)
-  )
+class PerReplicaProgram:
+  """A per-replica layout's program, called with a :class:`PerReplica`
+  accumulator: the program takes its stacked partial sums, and they come
+  back as a :class:`PerReplica` over the same axes."""
+
+  def __init__(self, axes: tuple[str, ...], program: Any):
+    self.axes, self.program = axes, program
+
+  def __call__(self, inputs: Inputs) -> Outputs:
+    out = self.program(inputs._replace(acc=inputs.acc.sums))
+    return out._replace(acc=PerReplica(out.acc, self.axes))
+
+  def lower(self, inputs: Inputs) -> jax.stages.Lowered:
+    return self.program.lower(inputs._replace(acc=inputs.acc.sums))
 
 
 def sharded_programs(

@@ -32,6 +32,7 @@ from optax_accum._step._programs import (
   metrics,
   zeros,
 )
+from optax_accum._step._replicas import as_returned
 from optax_accum._step._signature import (
   ACCUMULATE_DONATES,
   UPDATE_DONATES,
@@ -197,8 +198,12 @@ class TrainStep:
       _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
     counts = (opt_state.mini_step, opt_state.gradient_step, end_window)
     if any(isinstance(x, jax.core.Tracer) for x in counts):  # No tree walk.
-      params, opt_state, _ = self._layouts.arranged(params, opt_state, batch)
-      return self._run_update(params, opt_state, batch, rng, end_window)
+      given = opt_state.acc_grads
+      params, opt_state, layout = self._layouts.arranged(params, opt_state, batch)
+      params, opt_state, metrics_ = self._run_update(
+        params, opt_state, batch, rng, end_window, layout=layout
+      )
+      return params, self._layouts.restacked(given, opt_state), metrics_
     known, params, opt_state, hit = self._recalled(params, opt_state, batch, rng)
     value, k = known.counts(opt_state, self.optimizer)
     ends = bool(end_window) or value + 1 >= k
@@ -241,13 +246,15 @@ class TrainStep:
     """Scan mode on a ``MultiStepsState``: as when streaming, a state the step
     returned last runs in its layout, unchecked (its buffers are the
     programs' own); any other is arranged first."""
+    given = opt_state.acc_grads
     known, params, opt_state, _ = self._recalled(params, opt_state, batch, rng)
     fresh = params is known.params  # Returned by the last call.
     out = self._run_update(
       params, opt_state, batch, rng, check_aliasing=not fresh, layout=known.layout
     )
-    if not isinstance(out[1].mini_step, jax.core.Tracer):
-      self._remember(known, out, ends=True)
+    if isinstance(out[1].mini_step, jax.core.Tracer):  # The layout it was given.
+      return out[0], self._layouts.restacked(given, out[1]), out[2]
+    self._remember(known, out, ends=True)
     return out
 
   def _own_window(
@@ -315,8 +322,21 @@ class TrainStep:
     )
 
   def init(self, params: optax.Params) -> MultiStepsState:
-    """The optimizer state to start a run from: ``self.optimizer.init(params)``."""
-    return self.optimizer.init(params)
+    """The optimizer state to start a run from: ``self.optimizer.init(params)``,
+    its accumulator in the layout this step keeps on params' mesh.
+
+    On a mesh, under plain ``jit``, the step keeps per-replica partial sums
+    (:class:`~optax_accum._core._layout.PerReplica`): with ``axis_name``,
+    over its axes; without, on an ``Explicit`` mesh, over the ``Explicit``
+    axes no param is split over (where they hold more than one replica). A
+    checkpoint of the step's state restores against this state.
+    """
+    state = self.optimizer.init(params)
+    layout = self._layouts.init_layout(params)
+    if layout is None:
+      return state
+    _, state = as_returned((params, state), layout.mesh)
+    return self._layouts.in_layout(state, layout, params)
 
   def lower(
     self,

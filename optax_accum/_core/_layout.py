@@ -1,0 +1,365 @@
+"""The accumulator's layout: a rule of the params, kept in the state's structure.
+
+``opt_state.acc_grads`` holds the window's sums in one of three layouts, and
+its pytree structure says which (never a shape):
+
+- **one sum**: laid out as the params (a tree like them, per loss term);
+- :class:`Packed`: the sums of many small leaves of one dtype in a few
+  buffers (groups), the others as they are. ``MultiSteps.init(params)``
+  packs where :func:`packing_for` says so: every buffer a program takes
+  costs the host time on every call, and XLA:CPU runs a kernel per small add;
+- :class:`PerReplica`: one partial sum per data-parallel replica, stacked
+  along a leading axis (a train step's ``step.init(params)`` on a mesh).
+
+:func:`relayout` converts a state to the layout of another, exactly where the
+maths allows (unpack, pack, the sum as the first replica's partial sum, the
+partial sums added up).
+
+Examples:
+  >>> import jax.numpy as jnp
+  >>> acc = {f"b{i}": jnp.full((2,), float(i)) for i in range(3)}
+  >>> packing = plan(acc, min_leaves=2)
+  >>> packed = pack(acc, packing)
+  >>> packed.groups[0].tolist(), packed.rest
+  ([0.0, 0.0, 1.0, 1.0, 2.0, 2.0], ())
+  >>> unpack(packed)["b2"].tolist()
+  [2.0, 2.0]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from optax_accum._core import _backend, _checks
+from optax_accum._core._state import MultiStepsConfig, MultiStepsState
+
+
+class Packing(NamedTuple):
+  """Which accumulator leaves share a buffer, and their shapes."""
+
+  treedef: Any
+  shapes: tuple[tuple[int, ...], ...]  # Each leaf's own shape, in tree order.
+  groups: tuple[tuple[int, ...], ...]  # Leaf indices, one buffer each.
+  rest: tuple[int, ...]  # The leaves kept as they are.
+
+  def size(self, group: tuple[int, ...]) -> int:
+    return sum(math.prod(self.shapes[i]) for i in group)
+
+
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=["groups", "rest"],
+  meta_fields=["packing"],
+)
+@dataclasses.dataclass(frozen=True)
+class Packed:
+  """A packed accumulator: ``groups`` (one flat buffer per group, its leaves
+  concatenated in tree order) and ``rest`` (the other leaves, in tree order)."""
+
+  groups: tuple[Any, ...]
+  rest: tuple[Any, ...]
+  packing: Packing
+
+
+@functools.partial(
+  jax.tree_util.register_dataclass, data_fields=["sums"], meta_fields=["axes"]
+)
+@dataclasses.dataclass(frozen=True)
+class PerReplica:
+  """Per-replica partial sums: ``sums`` laid out as one sum, each leaf with
+  a leading axis of replicas, split over the mesh axes ``axes``."""
+
+  sums: Any
+  axes: tuple[str, ...]
+
+
+def plan(
+  acc: Any,
+  params: Any = None,
+  max_leaf_size: int | None = None,
+  min_leaves: int | None = None,
+  max_group_size: int | None = None,
+) -> Packing | None:
+  """The packing of ``acc`` (one sum, arrays or shapes), or ``None`` where no
+  dtype has ``min_leaves`` leaves of at most ``max_leaf_size`` elements
+  (defaults: the backend's, :class:`optax_accum._core._backend.Backend`). A
+  group's leaves share their dtype and their params' dtype."""
+  backend = _backend.of(_backend.platform_of(params if params is not None else acc))
+  max_leaf_size = backend.max_leaf_size if max_leaf_size is None else max_leaf_size
+  min_leaves = backend.min_leaves if min_leaves is None else min_leaves
+  max_group = backend.max_group_size if max_group_size is None else max_group_size
+  leaves, treedef = jax.tree.flatten(acc)
+  likes = leaves if params is None else jax.tree.leaves(params)
+  by_dtype: dict[Any, list[int]] = {}
+  for i, (leaf, like) in enumerate(zip(leaves, likes, strict=True)):
+    if 1 <= math.prod(np.shape(leaf)) <= max_leaf_size:
+      key = (jnp.dtype(leaf.dtype), jnp.result_type(like))
+      by_dtype.setdefault(key, []).append(i)
+  shapes = tuple(tuple(np.shape(x)) for x in leaves)
+  chosen = [g for g in by_dtype.values() if len(g) >= min_leaves]
+  groups = tuple(g for c in chosen for g in _split(c, shapes, max_group) if len(g) > 1)
+  if not groups:
+    return None
+  packed = {i for group in groups for i in group}
+  rest = tuple(i for i in range(len(leaves)) if i not in packed)
+  return Packing(treedef, shapes, groups, rest)
+
+
+def _split(indices: list[int], shapes: Any, max_size: int) -> list[tuple[int, ...]]:
+  """``indices`` in consecutive groups of at most ``max_size`` elements."""
+  groups: list[list[int]] = [[]]
+  size = 0
+  for i in indices:
+    n = math.prod(shapes[i])
+    if groups[-1] and size + n > max_size:
+      groups.append([])
+      size = 0
+    groups[-1].append(i)
+    size += n
+  return [tuple(g) for g in groups]
+
+
+def packing_for(config: MultiStepsConfig, params: Any, acc: Any) -> Packing | None:
+  """The rule ``MultiSteps.init`` follows: the packing of the sums ``acc`` of
+  ``params``, or ``None``. It packs without loss terms (each its own sums) or
+  ``should_skip_update_fn`` (which reads the sums as params), where the
+  backend packs and params are on at most one device (abstract shapes and
+  tracers count as one), if :func:`plan` finds groups."""
+  if config.terms is not None or config.should_skip_update_fn is not None:
+    return None
+  if not _backend.of(_backend.platform_of(params)).packs or devices(params) > 1:
+    return None
+  return plan(acc, params)
+
+
+def devices(tree: Any) -> int:
+  """How many devices ``tree``'s arrays span: concrete arrays' devices, an
+  abstract shape's sharding's, a tracer's ``Explicit`` mesh's (one where its
+  type has none)."""
+  found: set[Any] = set()
+  most = 1
+  for x in jax.tree.leaves(tree):
+    if isinstance(x, jax.core.Tracer):
+      mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+      most = max(most, getattr(mesh, "size", 1) or 1)
+    elif isinstance(x, jax.Array):
+      found.update(x.devices())
+    elif isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None:
+      most = max(most, len(x.sharding.device_set))
+  return max(most, len(found))
+
+
+# -- packing: traceable, one program each when called on arrays ---------------
+
+
+def pack(acc: Any, packing: Packing) -> Packed:
+  """``acc`` (one sum) packed as ``packing`` says."""
+  if _abstract(acc):
+    return jax.eval_shape(lambda a: _pack(a, packing), acc)
+  return _pack(acc, packing)
+
+
+def unpack(acc: Packed) -> Any:
+  """``acc`` as one sum: every leaf in its own shape."""
+  if _on_host(acc):
+    return unpacked(acc.packing, acc.groups, acc.rest, np)
+  if _abstract(acc):
+    return jax.eval_shape(_unpack, acc)
+  return _unpack(acc)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _pack(acc: Any, packing: Packing) -> Packed:
+  return Packed(*packed(acc, packing), packing)
+
+
+@jax.jit
+def _unpack(acc: Packed) -> Any:
+  return unpacked(acc.packing, acc.groups, acc.rest)
+
+
+def packed(acc: Any, packing: Packing) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+  """Inside a program: one sum's leaves as (group buffers, other leaves)."""
+  leaves = jax.tree.leaves(acc)
+  groups = tuple(
+    jnp.concatenate([jnp.ravel(leaves[i]) for i in group]) for group in packing.groups
+  )
+  return groups, tuple(leaves[i] for i in packing.rest)
+
+
+def unpacked(packing: Packing, groups: Any, rest: Any, xp: Any = jnp) -> Any:
+  """Inside a program: (group buffers, other leaves) as one sum."""
+  out: list[Any] = [None] * len(packing.shapes)
+  for i, leaf in zip(packing.rest, rest, strict=True):
+    out[i] = leaf
+  for group, buffer in zip(packing.groups, groups, strict=True):
+    start = 0
+    for i in group:
+      stop = start + math.prod(packing.shapes[i])
+      out[i] = xp.reshape(buffer[start:stop], packing.shapes[i])
+      start = stop
+  return jax.tree.unflatten(packing.treedef, out)
+
+
+def like_params(packing: Packing) -> Any:
+  """Shapes of the sums ``packing`` was planned for, laid out as one sum."""
+  shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in packing.shapes]
+  return jax.tree.unflatten(packing.treedef, shapes)
+
+
+def check_params(params: Any, packing: Packing) -> None:
+  """Raises ``ValueError`` naming the first params leaf a packed accumulator
+  does not have (or has in another shape)."""
+  _checks.check_tree_matches(
+    params,
+    like_params(packing),
+    name="params",
+    ref_name="the packed accumulator (opt.init of the params it was made for; "
+    "optax_accum.relayout(state, opt.init(params)) converts a state)",
+  )
+
+
+def _on_host(tree: Any) -> bool:
+  return all(isinstance(x, np.ndarray | np.generic) for x in jax.tree.leaves(tree))
+
+
+def _abstract(tree: Any) -> bool:
+  return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
+# -- per replica ----------------------------------------------------------------
+
+
+def replicas(acc: PerReplica) -> int:
+  """The number of replicas ``acc`` holds partial sums for."""
+  return int(np.shape(jax.tree.leaves(acc.sums)[0])[0])
+
+
+def summed(acc: PerReplica) -> Any:
+  """The partial sums added up: one sum."""
+  return jax.tree.map(lambda a: jnp.sum(a, axis=0, dtype=a.dtype), acc.sums)
+
+
+def first_replica(total: jax.Array, n: int) -> jax.Array:
+  """``total`` as the first of ``n`` replicas' partial sums (zeros for the
+  others): a select, so that a sharded sum moves nothing."""
+  first = (jnp.arange(n) == 0).reshape((n,) + (1,) * jnp.ndim(total))
+  return jnp.where(first, total[None], jnp.zeros((), total.dtype))
+
+
+# -- any layout to any other ----------------------------------------------------
+
+
+def one_sum(acc: Any) -> Any:
+  """``acc`` in any layout as one sum (exact but for the partial sums' add)."""
+  if isinstance(acc, Packed):
+    return unpack(acc)
+  if isinstance(acc, PerReplica):
+    return summed(acc)
+  return acc
+
+
+def relayout(state: MultiStepsState, like: MultiStepsState) -> MultiStepsState:
+  """``state`` with its accumulator in the layout of ``like``'s.
+
+  ``like`` is a state of the same params from ``opt.init(params)`` or, for a
+  train step on a mesh, ``step.init(params)``. Packing and unpacking are
+  exact, and so is a sum becoming the first replica's partial sum; partial
+  sums for another layout are added up first (a rounding per add). Arrays
+  take the placement of ``like``'s.
+
+  Raises:
+    ValueError: if the two accumulators are not of the same params.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> params = {f"b{i}": jnp.zeros(2) for i in range(20)}
+    >>> opt = optax_accum.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+    >>> state = opt.init(params)
+    >>> type(state.acc_grads).__name__
+    'Packed'
+    >>> old = state._replace(acc_grads=optax_accum.relayout(state, None).acc_grads)
+    >>> type(old.acc_grads).__name__, old.acc_grads["b3"].shape
+    ('dict', (2,))
+    >>> type(optax_accum.relayout(old, state).acc_grads).__name__
+    'Packed'
+  """
+  acc = state.acc_grads
+  target = None if like is None else like.acc_grads
+  if _same_layout(acc, target):
+    return state
+  total = one_sum(acc)
+  _checks.check_tree_matches(
+    total,
+    one_sum_shapes(target) if target is not None else total,
+    name="state's accumulator",
+    ref_name="`like`'s (relayout converts states of the same params; start a "
+    "state for other params from opt.init(params))",
+  )
+  return state._replace(acc_grads=in_layout_of(total, target))
+
+
+def one_sum_shapes(acc: Any) -> Any:
+  """Shapes of ``acc`` as one sum."""
+  if isinstance(acc, Packed):
+    return like_params(acc.packing)
+  if isinstance(acc, PerReplica):
+    return jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype), acc.sums
+    )
+  return acc
+
+
+def in_layout_of(total: Any, target: Any) -> Any:
+  """``total`` (one sum) in the layout of ``target`` (``None``: as it is),
+  placed like it."""
+  if target is None:
+    return total
+  if isinstance(target, Packed):
+    first = jax.tree.leaves(target)[0]
+    if isinstance(first, jax.Array):
+      total = jax.device_put(total, first.sharding)
+    return pack(total, target.packing)
+  if isinstance(target, PerReplica):
+    n = replicas(target)
+    sums = jax.tree.map(lambda t, a: _first_placed(t, n, a), total, target.sums)
+    return PerReplica(sums, target.axes)
+  return _placed(total, target)
+
+
+def _placed(total: Any, like: Any) -> Any:
+  def place(t: Any, a: Any) -> Any:
+    sharding = getattr(a, "sharding", None)
+    if isinstance(a, jax.Array) and sharding is not None:
+      return jax.device_put(jnp.asarray(t, a.dtype), sharding)
+    return jnp.asarray(t, getattr(a, "dtype", None))
+
+  return jax.tree.map(place, total, like)
+
+
+def _first_placed(total: Any, n: int, like: Any) -> Any:
+  sharding = getattr(like, "sharding", None)
+  total = jnp.asarray(total, like.dtype)
+  if isinstance(sharding, NamedSharding):
+    inner = NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+    total = jax.device_put(total, inner)
+    return jax.jit(first_replica, static_argnums=1, out_shardings=sharding)(total, n)
+  out = first_replica(total, n)
+  return jax.device_put(out, sharding) if sharding is not None else out
+
+
+def _same_layout(acc: Any, target: Any) -> bool:
+  """Whether ``acc`` is in ``target``'s layout, shapes included."""
+  structure = jax.tree.structure(acc)
+  if structure != jax.tree.structure(target):  # type: ignore[operator]  # jaxlib stub gap
+    return False
+  shapes = [np.shape(x) for x in jax.tree.leaves(acc)]
+  return shapes == [np.shape(x) for x in jax.tree.leaves(target)]
