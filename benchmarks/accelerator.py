@@ -54,6 +54,7 @@ TARGETS = (
 DEFAULT_MODELS = {False: ("lm-12x64-b8", "gpt2-small-b8"), True: ("lm-12x64-b8",)}
 PER_MICRO_STEP = (
   "stream",
+  "stream_handwritten",
   "in_jit",
   "update_in_jit",
   "cond_handwritten",
@@ -195,7 +196,15 @@ def row(name: str, k: int, r: dict[str, Any]) -> dict[str, Any]:
     }
     for label in ("stream", "scan", "stream_handwritten", "scan_handwritten")
   }
-  return {"model": name, "k": k, "window_ms": ms, "ratios": ratios, "rates": rate}
+  rounds = {label: list(map(float, v)) for label, v in r["times"].items()}
+  return {
+    "model": name,
+    "k": k,
+    "window_ms": ms,
+    "ratios": ratios,
+    "rates": rate,
+    "rounds_ms": rounds,
+  }
 
 
 def markdown(rows: list[dict[str, Any]], device: str) -> str:

@@ -41,6 +41,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if os.environ["JAX_PLATFORMS"].split(",")[0] != "cpu":
   os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# A GPU's scatter-adds (an embedding's gradient) add in a varying order unless
+# told not to; the bit-identity tests (a resumed run against an uninterrupted
+# one) need the same order every run.
+if os.environ["JAX_PLATFORMS"].split(",")[0] in ("cuda", "rocm", "gpu") and (
+  "--xla_gpu_deterministic_ops" not in os.environ["XLA_FLAGS"]
+):
+  os.environ["XLA_FLAGS"] += " --xla_gpu_deterministic_ops=true"
 
 import jax
 import pytest

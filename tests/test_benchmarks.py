@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -80,6 +81,7 @@ def test_the_floor_is_its_fastest_candidate_by_median_with_its_rounds():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 def test_data_parallel_benchmark_counts_one_reduction_per_window(tmp_path):
   """On the 8 test devices: the bytes reduced per window, from the HLO."""
   from benchmarks import data_parallel

@@ -48,6 +48,9 @@ def _whole_step(params, state, batch):
   return optax.apply_updates(params, updates), state
 
 
+@pytest.mark.skipif(
+  jax.default_backend() != "cpu", reason="XLA:CPU's figures and programs"
+)
 def test_scan_temp_bytes_do_not_grow_with_k_but_the_whole_batch_does():
   params = _params()
   scan_temp, whole_temp = {}, {}
@@ -64,6 +67,9 @@ def test_scan_temp_bytes_do_not_grow_with_k_but_the_whole_batch_does():
   assert whole_temp[16] > 1.5 * whole_temp[4], whole_temp
 
 
+@pytest.mark.skipif(
+  jax.default_backend() != "cpu", reason="XLA:CPU's figures and programs"
+)
 def test_streaming_temp_bytes_no_larger_than_optax_multisteps():
   """Both streaming programs need no more scratch memory than optax.MultiSteps;
   the accumulate-only one (k - 1 of every k calls) far less."""
@@ -175,6 +181,9 @@ def test_update_program_writes_no_params_sized_constant():
   assert len(materialised) <= 1, materialised
 
 
+@pytest.mark.skipif(
+  jax.default_backend() != "cpu", reason="XLA:CPU's figures and programs"
+)
 def test_step_in_your_jit_reads_the_sums_only_where_a_window_ends():
   """Traced in the caller's ``jit`` the step runs its update program on every
   micro-step. The window's norm and finite check (a reduction a leaf) run

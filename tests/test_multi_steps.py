@@ -217,7 +217,10 @@ def test_inner_optimizer_runs_once_per_window_under_jit():
     _, s_ours = ours_step(_grads(i), s_ours, PARAMS)
     _, s_theirs = theirs_step(_grads(i), s_theirs, PARAMS)
   jax.effects_barrier()
-  assert len(ours_calls) == windows
+  # On a GPU the inner optimizer runs on every call and a select keeps what
+  # it must not change (docs/accelerators.md): no host round trip.
+  on_gpu = jax.default_backend() in ("cuda", "rocm", "gpu")
+  assert len(ours_calls) == (k * windows if on_gpu else windows)
   assert len(theirs_calls) == k * windows  # optax 0.2.8 runs it every micro-step.
 
 

@@ -2,9 +2,10 @@
 
 import pathlib
 
-import nbclient
-import nbformat
 import pytest
+
+nbformat = pytest.importorskip("nbformat", reason="the notebooks extra")
+nbclient = pytest.importorskip("nbclient", reason="the notebooks extra")
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 

@@ -21,6 +21,11 @@ from jax.sharding import PartitionSpec as P
 import optax_accum
 from optax_accum._planning import _plan as _planning
 
+#: Tests whose budgets are set from XLA:CPU's memory figures.
+CPU_BUDGETS = pytest.mark.skipif(
+  jax.default_backend() != "cpu", reason="budgets set from XLA:CPU's memory figures"
+)
+
 IN, HIDDEN, OUT = 16, 128, 4
 AUTO = jax.sharding.AxisType.Auto
 
@@ -96,6 +101,7 @@ def _assert_binary_search_result(plan, sizes):
   assert len(plan.candidates) <= 1 + math.ceil(math.log2(len(sizes)))
 
 
+@CPU_BUDGETS
 def test_stream_plan_fits_the_budget_and_matches_the_run(monkeypatch, capsys):
   """37 rows (prime): any size leaves a shorter last micro-batch, which the plan
   compiles too. Each program that then runs has exactly the planned analysis,
@@ -166,6 +172,7 @@ def _compiled_during(caplog, run):
   return out, [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
 
 
+@CPU_BUDGETS
 @pytest.mark.parametrize("mode", ["stream", "scan"])
 def test_the_plans_step_runs_its_windows_without_compiling_again(mode, caplog):
   """Issue 27, item 3: the plan hands back the step it compiled and measured;
@@ -260,6 +267,7 @@ def test_sharded_params_and_batch_give_per_device_figures_of_the_run():
   _assert_matches_the_run(_program(scan, "scan"), compiled)
 
 
+@CPU_BUDGETS
 def test_scan_with_padding_runs_exactly_the_planned_program():
   """Scan, 37 rows, pad=True: the window is padded with zero rows (weight 0)
   to k equal micro-batches; one program, analysed as planned; exact."""
@@ -297,6 +305,7 @@ def test_scan_with_padding_runs_exactly_the_planned_program():
     )
 
 
+@CPU_BUDGETS
 def test_scan_without_padding_searches_divisors_and_compares_stream():
   plan = optax_accum.plan_micro_batches(
     _loss,
@@ -363,6 +372,7 @@ def test_default_budget_is_the_smallest_device_limit_less_headroom():
     _planning._default_budget([*devices, _FakeDevice(None)], 0.1)
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU's budget")
 def test_cpu_needs_a_stated_budget():
   assert jax.devices()[0].memory_stats() is None  # What CPUs report.
   with pytest.raises(ValueError, match=r"Pass `memory_budget` \(bytes per device\)"):

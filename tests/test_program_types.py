@@ -59,6 +59,7 @@ def _whole_batch(params, batches, inner):
 # The first call cannot reuse the replicated state's buffers for the split
 # ones its update returns; JAX says so once.
 @pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 def test_inner_state_not_split_like_params_on_an_explicit_mesh():
   mesh = jax.make_mesh((4, 2), ("data", "model"))
   inner = _momentum_with_replicated_state(0.1)
@@ -77,6 +78,7 @@ def test_inner_state_not_split_like_params_on_an_explicit_mesh():
 
 
 @pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 def test_multi_steps_update_with_such_a_state_in_the_users_jit():
   mesh = jax.make_mesh((4, 2), ("data", "model"))
   inner = _momentum_with_replicated_state(0.1)
