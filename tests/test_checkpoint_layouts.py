@@ -314,3 +314,48 @@ def test_any_paths_state_continues_on_any_other_path(first, second):
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), got, want
   )
+
+
+@pytest.mark.parametrize("inside", ["jit", "lax.scan"])
+def test_a_per_replica_state_continues_in_your_jit_and_lax_scan(inside):
+  """Half a window from Python on an 8-device Explicit mesh (per-replica
+  partial sums), the rest in the user's ``jit`` or ``lax.scan``: the state
+  keeps its type through the carry, and the window's update is the whole
+  batch's. (With ``axis_name`` the in-graph step runs inside ``shard_map``,
+  and under plain ``jit`` its error says so.)"""
+  mesh = jax.make_mesh((8,), ("data",))
+  step = optax_accum.make_train_step(_loss, SGD, donate=False)
+  params0 = jax.device_put(_params0(), NamedSharding(mesh, P()))
+  rows = NamedSharding(mesh, P("data"))
+  batches = _stream()[:K]
+  params, state = params0, step.init(params0)
+  for b in batches[:2]:
+    params, state, _ = step(params, state, jax.device_put(b, rows))
+  assert isinstance(state.acc_grads, PerReplica)
+  rest = [jax.device_put(b, rows) for b in batches[2:]]
+  if inside == "jit":
+    in_jit = jax.jit(lambda p, s, b: step(p, s, b)[:2])
+    for b in rest:
+      params, state = in_jit(params, state, b)
+  else:
+    stacked = jax.device_put(
+      _windows(batches[2:]), NamedSharding(mesh, P(None, "data"))
+    )
+
+    @jax.jit
+    def run(params, state, stacked):
+      def body(carry, b):
+        return step(*carry, b)[:2], None
+
+      return jax.lax.scan(body, (params, state), stacked)[0]
+
+    params, state = run(params, state, stacked)
+  assert isinstance(state.acc_grads, PerReplica) and int(state.gradient_step) == 1
+  whole = jax.tree.map(lambda *r: np.concatenate(r), *batches)
+  grad = jax.grad(lambda p: _loss(p, whole)[0])(_params0())
+  want = jax.tree.map(lambda p, g: p - g, _params0(), grad)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6),
+    jax.device_get(params),
+    want,
+  )
