@@ -44,10 +44,11 @@ class MultiStepsState(NamedTuple):
     acc_grads: Like params, in the accumulator dtype. The window's running sum
       of ``weight * grad`` (``grad_reduction="mean"``) or of ``grad``
       (``"sum"``). While ``mini_step`` is 0 it counts as zeros, whatever it
-      holds (the window's first micro-batch overwrites it). Under
-      plain ``jit`` with ``axis_name``, ``make_train_step`` keeps each
-      replica's partial sum instead, with a leading axis of replicas (it
-      accepts either layout, and a checkpoint of either resumes exactly).
+      holds (the window's first micro-batch overwrites it). Its pytree
+      structure says its layout: laid out as the params, ``Packed`` (the
+      sums of many small leaves in a few buffers, from ``init`` on one
+      device) or ``PerReplica`` (each replica's partial sum, from a train
+      step's ``step.init`` on a mesh); ``optax_accum.relayout`` converts.
     acc_weight: float ``[]``, the accumulator's widest dtype. The window's
       running sum of weights.
     acc_loss: Like ``acc_weight``. The window's running sum of
