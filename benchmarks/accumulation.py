@@ -136,6 +136,36 @@ def many_leaves(leaves: int, width: int, micro_batch: int) -> dict[str, Any]:
   return _regression("layer", leaves, width, micro_batch, forward)
 
 
+def _language_model(
+  params: Any,
+  loss_fn: Callable[..., Any],
+  shape: tuple[int, int, int, int],
+  micro_batch: int,
+  shortest: int,
+) -> dict[str, Any]:
+  """An LM benchmark model: ``params`` and ``loss_fn``, a generator of padded
+  micro-batches of random text (lengths from ``shortest`` to ``length``) and
+  the model FLOPs per token (6 per param plus attention's ``12 * blocks *
+  length * width``). ``shape``: ``(blocks, width, length, vocab)``."""
+  blocks, width, length, vocab = shape
+  rng = np.random.default_rng(0)
+
+  def batch(rows: int) -> dict[str, np.ndarray]:
+    text = rng.integers(0, vocab, (rows, length + 1))
+    lengths = rng.integers(shortest, length + 1, (rows, 1))
+    mask = (np.arange(length) < lengths).astype(np.float32)
+    return {"inputs": text[:, :-1], "targets": text[:, 1:], "mask": mask}
+
+  count = sum(x.size for x in jax.tree.leaves(params))
+  return {
+    "params": params,
+    "loss_fn": loss_fn,
+    "batch": batch,
+    "rows": micro_batch,
+    "flops_per_token": 6 * count + 12 * blocks * length * width,
+  }
+
+
 def causal_lm(
   blocks: int, width: int, heads: int, length: int, micro_batch: int, vocab: int = 256
 ) -> dict[str, Any]:
@@ -195,23 +225,8 @@ def causal_lm(
     tokens = batch["mask"].sum()
     return (nll * batch["mask"]).sum() / jnp.maximum(tokens, 1.0), tokens
 
-  rng = np.random.default_rng(0)
-
-  def batch(rows: int) -> dict[str, np.ndarray]:
-    text = rng.integers(0, vocab, (rows, length + 1))
-    lengths = rng.integers(1, length + 1, (rows, 1))
-    mask = (np.arange(length) < lengths).astype(np.float32)
-    return {"inputs": text[:, :-1], "targets": text[:, 1:], "mask": mask}
-
-  count = sum(x.size for x in jax.tree.leaves(params))
-  flops = 6 * count + 12 * blocks * length * width
-  return {
-    "params": params,
-    "loss_fn": loss_fn,
-    "batch": batch,
-    "rows": micro_batch,
-    "flops_per_token": flops,
-  }
+  shape = (blocks, width, length, vocab)
+  return _language_model(params, loss_fn, shape, micro_batch, shortest=1)
 
 
 def scanned_lm(
@@ -285,23 +300,8 @@ def scanned_lm(
     tokens = batch["mask"].sum()
     return (nll * batch["mask"]).sum() / jnp.maximum(tokens, 1.0), tokens
 
-  rng = np.random.default_rng(0)
-
-  def batch(rows: int) -> dict[str, np.ndarray]:
-    text = rng.integers(0, vocab, (rows, length + 1))
-    lengths = rng.integers(length // 2, length + 1, (rows, 1))
-    mask = (np.arange(length) < lengths).astype(np.float32)
-    return {"inputs": text[:, :-1], "targets": text[:, 1:], "mask": mask}
-
-  count = sum(x.size for x in jax.tree.leaves(params))
-  flops = 6 * count + 12 * blocks * length * width
-  return {
-    "params": params,
-    "loss_fn": loss_fn,
-    "batch": batch,
-    "rows": micro_batch,
-    "flops_per_token": flops,
-  }
+  shape = (blocks, width, length, vocab)
+  return _language_model(params, loss_fn, shape, micro_batch, shortest=length // 2)
 
 
 MODELS = {

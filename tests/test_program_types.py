@@ -56,35 +56,14 @@ def _whole_batch(params, batches, inner):
   return optax.apply_updates(params, updates), grads
 
 
-# The first call cannot reuse the replicated state's buffers for the split
-# ones its update returns; JAX says so once.
-@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
-@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
-def test_inner_state_not_split_like_params_on_an_explicit_mesh():
-  mesh = jax.make_mesh((4, 2), ("data", "model"))
-  inner = _momentum_with_replicated_state(0.1)
-  w = np.random.default_rng(1).normal(size=(8, 4)).astype(np.float32)
-  want, _ = _whole_batch({"w": w}, _batches(), inner)
-  with jax.set_mesh(mesh):
-    params = {"w": jax.device_put(w, NamedSharding(mesh, P(None, "model")))}
-    rows = NamedSharding(mesh, P("data"))
-    opt = optax_accum.MultiSteps(inner, K)
-    step = optax_accum.make_train_step(_loss, opt)
-    state = opt.init(params)
-    for batch in _batches():
-      params, state, metrics = step(params, state, jax.device_put(batch, rows))
-  assert bool(metrics["updated"])
-  np.testing.assert_allclose(params["w"], want["w"], rtol=1e-5, atol=1e-6)
+def _train_step(opt):
+  """The ready-made step, as ``(params, state, batch) -> (params, state)``."""
+  step = optax_accum.make_train_step(_loss, opt)
+  return lambda params, state, batch: step(params, state, batch)[:2]
 
 
-@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
-@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
-def test_multi_steps_update_with_such_a_state_in_the_users_jit():
-  mesh = jax.make_mesh((4, 2), ("data", "model"))
-  inner = _momentum_with_replicated_state(0.1)
-  w = np.random.default_rng(1).normal(size=(8, 4)).astype(np.float32)
-  want, _ = _whole_batch({"w": w}, _batches(), inner)
-  opt = optax_accum.MultiSteps(inner, K)
+def _update_in_jit(opt):
+  """``MultiSteps.update`` in the user's own ``jit``."""
 
   @jax.jit
   def step(params, state, batch):
@@ -92,6 +71,23 @@ def test_multi_steps_update_with_such_a_state_in_the_users_jit():
     updates, state = opt.update(grads, state, params, weight=rows)
     return optax.apply_updates(params, updates), state
 
+  return step
+
+
+# The first call cannot reuse the replicated state's buffers for the split
+# ones its update returns; JAX says so once.
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+@pytest.mark.parametrize(
+  "path", [_train_step, _update_in_jit], ids=lambda f: f.__name__
+)
+def test_inner_state_not_split_like_params_on_an_explicit_mesh(path):
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  inner = _momentum_with_replicated_state(0.1)
+  w = np.random.default_rng(1).normal(size=(8, 4)).astype(np.float32)
+  want, _ = _whole_batch({"w": w}, _batches(), inner)
+  opt = optax_accum.MultiSteps(inner, K)
+  step = path(opt)
   with jax.set_mesh(mesh):
     params = {"w": jax.device_put(w, NamedSharding(mesh, P(None, "model")))}
     state = opt.init(params)
