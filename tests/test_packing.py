@@ -26,10 +26,11 @@ from optax_accum._step._signature import Inputs
 K = 4
 
 
-def _min_leaves(monkeypatch, n):
-  """Packs groups of at least ``n`` small leaves on CPU."""
+def _min_leaves(monkeypatch, n, **choices):
+  """Packs groups of at least ``n`` small leaves on the default backend
+  (with its other ``choices`` changed)."""
   platform = jax.default_backend()
-  chosen = _backend.of(platform)._replace(min_leaves=n)
+  chosen = _backend.of(platform)._replace(min_leaves=n, **choices)
   monkeypatch.setitem(_backend._BACKENDS, platform, chosen)
 
 
@@ -38,10 +39,11 @@ def _bitwise_equal(a, b) -> bool:
   return jax.tree.structure(a) == jax.tree.structure(b) and all(jax.tree.leaves(same))
 
 
-def _stream(model, calls, min_leaves, monkeypatch, **step_kwargs):
+def _stream(model, calls, min_leaves, monkeypatch, two_programs=True, **step_kwargs):
   """A streaming run of ``calls`` micro-batches with groups of at least
-  ``min_leaves`` leaves packed: params, state (one sum), metrics, layout."""
-  _min_leaves(monkeypatch, min_leaves)
+  ``min_leaves`` leaves packed, a window ending in two programs or one:
+  params, state (one sum), metrics, layout."""
+  _min_leaves(monkeypatch, min_leaves, two_programs=two_programs)
   opt = optax_accum.MultiSteps(optax.adamw(1e-2, weight_decay=0.1), K)
   step = optax_accum.make_train_step(model["loss_fn"], opt, **step_kwargs)
   params = jax.tree.map(jnp.copy, model["params"])
@@ -65,6 +67,24 @@ def test_packed_programs_are_bit_identical_on_the_benchmark_models(name, monkeyp
   one_sum = _stream(accumulation.MODELS[name](), 10, 10**9, monkeypatch)
   packed = _stream(accumulation.MODELS[name](), 10, 2, monkeypatch)
   assert one_sum[3] is None and isinstance(packed[3], _layout.Packing)
+  for what, a, b in zip(["params", "state", "metrics"], one_sum, packed, strict=False):
+    assert _bitwise_equal(a, b), what
+
+
+def test_a_backend_without_two_programs_ends_a_packed_window_in_one(monkeypatch):
+  """Where the backend seam says one program (GPUs), a packed window's last
+  call runs the merged update program, bit-identical to the one-sum layout."""
+  one_sum = _stream(accumulation.MODELS["lm-1x8-b2"](), 10, 10**9, monkeypatch)
+  model = accumulation.MODELS["lm-1x8-b2"]()
+  packed = _stream(model, 10, 2, monkeypatch, two_programs=False)
+  opt = optax_accum.MultiSteps(optax.adamw(1e-2), K)
+  step = optax_accum.make_train_step(model["loss_fn"], opt)
+  batch = model["batch"](model["rows"])
+  _, _, packing = step._layouts.arranged(
+    model["params"], opt.init(model["params"]), batch
+  )
+  update = step._layouts.programs(packing).update
+  assert isinstance(update, _packing.PackedProgram)  # Not a PackedUpdate.
   for what, a, b in zip(["params", "state", "metrics"], one_sum, packed, strict=False):
     assert _bitwise_equal(a, b), what
 
@@ -116,6 +136,7 @@ def test_scan_from_the_inner_state_passes_no_sums():
   assert outputs == len(jax.tree.leaves(expected_out)) + metrics
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's two programs")
 def test_a_packed_window_ends_in_two_programs_within_the_merged_ones_memory():
   """The window's last call runs the accumulate program, then ``finish``;
   ``lower`` gives the two as one program, whose peak bounds each's (the

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 
-from optax_accum._core import _checks, _layout, _reduction, _terms
+from optax_accum._core import _backend, _checks, _layout, _reduction, _terms
 from optax_accum._core._layout import Packed, Packing, PerReplica
 from optax_accum._core._multi_steps import MultiSteps, MultiStepsState
 from optax_accum._step import _deferred
@@ -68,6 +68,8 @@ class Layouts:
     self._built: dict[DataLayout | Packing, Pair] = {}
     self._chosen: dict[Any, DataLayout | None] = {}
     self._packings: dict[Any, Packing | None] = {}
+    # The platform params of each packing live on: its programs' backend.
+    self._platforms: dict[Packing, str] = {}
 
   def arranged(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any = None
@@ -172,6 +174,8 @@ class Layouts:
       shapes = jax.eval_shape(self.bodies.optimizer.init, params).acc_grads
       packing = shapes.packing if isinstance(shapes, Packed) else None
       self._packings[key] = packing
+      if packing is not None:
+        self._platforms[packing] = _backend.platform_of(params)
     return self._packings[key]
 
   def in_layout(
@@ -252,7 +256,9 @@ class Layouts:
     return self._built[layout]
 
   def _packed_programs(self, packing: Packing) -> Pair:
-    """The programs on a packed accumulator (one sum)."""
+    """The programs on a packed accumulator (one sum): a streamed window
+    ends in two programs where the backend says so (``two_programs``), else
+    in one."""
     bodies = PackedBodies(self.bodies, packing)
 
     def packed(body: Body, donates: tuple[str, ...]) -> PackedProgram:
@@ -261,8 +267,11 @@ class Layouts:
     accumulate = packed(bodies.accumulate, ACCUMULATE_DONATES)
     if self.mode == "scan":
       return Pair(accumulate, packed(bodies.scan, UPDATE_DONATES))
-    ending = packed(bodies.ending, UPDATE_DONATES)
     merged = packed(bodies.update, UPDATE_DONATES)
+    platform = self._platforms.get(packing, jax.default_backend())
+    if not _backend.of(platform).two_programs:
+      return Pair(accumulate, merged)
+    ending = packed(bodies.ending, UPDATE_DONATES)
     return Pair(accumulate, PackedUpdate(accumulate, ending, merged))
 
 
