@@ -147,3 +147,24 @@ def test_gpu_form_skips_a_non_finite_window_without_a_nan(gpu_form):
   assert int(state.skipped_windows) == 1 and not bool(metrics["updated"])
   chex.assert_trees_all_equal(out, params)  # Unchanged, and no NaN.
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(state.inner_opt_state))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, None])
+def test_a_narrow_accumulator_is_rounded_where_xla_gpu_cannot_skip_it(dtype):
+  """XLA:GPU (excess precision allowed, its default) removes a float16 round
+  trip, so a sum that overflows float16 would stay finite where the window
+  ends in the same program. Each narrowed sum passes a barrier that the
+  removal cannot see through; a float32 accumulator gets none, and XLA:CPU's
+  compiled program none either."""
+  opt = optax_accum.MultiSteps(INNER, K, accumulator_dtype=dtype)
+  params = toy_lm.init_params()
+  micro_batch = toy_lm.split(BATCHES[0], K)[0]
+  traced = _user_step(opt).trace(params, opt.init(params), micro_batch)
+  gpu = traced.lower(lowering_platforms=("cuda",)).as_text()
+  barriers = [line for line in gpu.splitlines() if "optimization_barrier" in line]
+  if dtype is None:
+    assert barriers == []
+  else:
+    assert len(barriers) == len(jax.tree.leaves(params))
+    assert all("xf16>" in line for line in barriers)
+  assert "opt-barrier" not in traced.lower(lowering_platforms=("cpu",)).compile().as_text()

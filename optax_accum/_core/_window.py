@@ -183,6 +183,21 @@ def _weighted(
   return jnp.where(kept.counted & (total > 0), x, jnp.zeros_like(x))
 
 
+def _rounded(x: jax.Array, dtype: Any) -> jax.Array:
+  """``x`` in ``dtype``, rounded there on every backend.
+
+  Where ``dtype`` is narrower, a barrier keeps the rounding: with excess
+  precision allowed (its default), XLA:GPU drops a narrowing convert that a
+  widening one follows, so a float16 sum that overflows would stay finite
+  when the window ends in the same program, and differ from the sum the
+  state holds between programs. XLA:CPU removes the barrier before fusion.
+  """
+  y = x.astype(dtype)
+  if jnp.dtype(dtype).itemsize < jnp.dtype(x.dtype).itemsize:
+    y = jax.lax.optimization_barrier(y)
+  return y
+
+
 def add(
   window: Window,
   grads: Any,
@@ -212,7 +227,7 @@ def add(
     term = _weighted(g, acc.dtype, kept, total, weigh, name, reduction)
     term = reduction.gradient(term)
     start = jnp.where(first, jnp.zeros_like(acc), acc).astype(term.dtype)
-    return (start + term).astype(acc.dtype)
+    return _rounded(start + term, acc.dtype)
 
   return Window(
     mini_step=jnp.where(kept.counted, _increment(window.mini_step), window.mini_step),
