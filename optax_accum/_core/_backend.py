@@ -129,12 +129,13 @@ def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
     >>> float(once_if(jnp.array(True), lambda x: x + 1, jnp.array(1.0)))
     2.0
   """
+
+  def looped(p: jax.Array, i: Any) -> Any:
+    return _loop_once(p, fn, i)
+
+  # One callable for CPU and TPU: platform_dependent traces each distinct one.
   return jax.lax.platform_dependent(
-    pred,
-    init,
-    cpu=lambda p, i: _loop_once(p, fn, i),
-    tpu=lambda p, i: _loop_once(p, fn, i),
-    default=lambda p, i: _selected(p, fn, i),
+    pred, init, cpu=looped, tpu=looped, default=lambda p, i: _selected(p, fn, i)
   )
 
 
@@ -150,12 +151,10 @@ def branch(pred: jax.Array, apply: Callable[[], Any], hold: Callable[[], Any]) -
   def selected(p: jax.Array) -> Any:
     return jax.tree.map(lambda a, h: jnp.where(p, a, h), apply(), hold())
 
-  return jax.lax.platform_dependent(
-    pred,
-    cpu=lambda p: jax.lax.cond(p, apply, hold),
-    tpu=lambda p: jax.lax.cond(p, apply, hold),
-    default=selected,
-  )
+  def branched(p: jax.Array) -> Any:
+    return jax.lax.cond(p, apply, hold)
+
+  return jax.lax.platform_dependent(pred, cpu=branched, tpu=branched, default=selected)
 
 
 def nan_marker(g: jax.Array) -> jax.Array:
