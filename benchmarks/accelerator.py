@@ -109,15 +109,6 @@ def _multi_steps_in_jit(loss_fn: Callable[..., Any], opt: Any) -> Callable[..., 
   return step
 
 
-def _optax_in_jit(loss_fn: Callable[..., Any], opt: Any) -> Callable[..., Any]:
-  def step(params: Any, state: Any, batch: Any) -> tuple[Any, Any]:
-    g = jax.grad(lambda p: loss_fn(p, batch)[0])(params)
-    updates, state = opt.update(g, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return step
-
-
 def bench(name: str, k: int, repeats: int, windows: int) -> dict[str, Any]:
   """Each variant's median time per window (ms) and its rounds."""
   model = accumulation.MODELS[name]()
@@ -159,7 +150,7 @@ def bench(name: str, k: int, repeats: int, windows: int) -> dict[str, Any]:
     rounds.add(label, Carry(fn, [copy(params0), carry], micro).loop(steps), steps)
   ms = optax.MultiSteps(adamw, k)
   optax_run = Carry(
-    jax.jit(_optax_in_jit(loss_fn, ms), **donated),
+    jax.jit(accumulation.optax_in_jit(loss_fn, ms), **donated),
     [copy(params0), ms.init(params0)],
     micro,
   )

@@ -436,6 +436,18 @@ class _FloorLoop:
     return run
 
 
+def optax_in_jit(loss_fn: Callable[..., Any], ms: Any) -> Callable[..., Any]:
+  """A micro-step of ``optax.MultiSteps`` (``ms``) in the caller's ``jit``,
+  as its users write one: the gradient, ``ms.update``, the updates applied."""
+
+  def step(params: Any, state: Any, batch: Any) -> tuple[Any, Any]:
+    grads = jax.grad(loss_fn, has_aux=True)(params, batch)[0]
+    updates, state = ms.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
 def hand_scan_window(loss_fn: Callable[..., Any], tx: Any) -> Callable[..., Any]:
   """A whole window written by hand as MaxText writes one: a ``lax.scan``
   summing weighted gradients and weights, a divide, the optimizer; called as
@@ -583,12 +595,7 @@ def bench_model(
 
   # (3) optax.MultiSteps, donated, one call per micro-step.
   ms = optax.MultiSteps(adamw, k)
-
-  def optax_step(params, state, batch):
-    updates, state = ms.update(grad(params, batch), state, params)
-    return optax.apply_updates(params, updates), state
-
-  optax_jit = jax.jit(optax_step, donate_argnums=(0, 1))
+  optax_jit = jax.jit(optax_in_jit(loss_fn, ms), donate_argnums=(0, 1))
   results["optax"] = _analysis(optax_jit.lower(params0, ms.init(params0), micro))
   optax_run = Carry(optax_jit, [copy(params0), ms.init(params0)], micro)
   rounds.add("optax", optax_run.loop(micro_steps), micro_steps)
