@@ -195,6 +195,13 @@ def packed(acc: Any, packing: Packing) -> tuple[tuple[Any, ...], tuple[Any, ...]
   return groups, tuple(leaves[i] for i in packing.rest)
 
 
+def packed_like(grads: Any, packing: Packing) -> Packed:
+  """Inside a program: a gradient laid out as ``packing``'s sums, after a
+  check of its leaves by path (a ``ValueError`` naming the leaf)."""
+  check_params(grads, packing, name="updates")
+  return Packed(*packed(grads, packing), packing)
+
+
 def unpacked(packing: Packing, groups: Any, rest: Any, xp: Any = jnp) -> Any:
   """Inside a program: (group buffers, other leaves) as one sum."""
   out: list[Any] = [None] * len(packing.shapes)
@@ -215,13 +222,13 @@ def like_params(packing: Packing) -> Any:
   return jax.tree.unflatten(packing.treedef, shapes)
 
 
-def check_params(params: Any, packing: Packing) -> None:
-  """Raises ``ValueError`` naming the first params leaf a packed accumulator
-  does not have (or has in another shape)."""
+def check_params(params: Any, packing: Packing, name: str = "params") -> None:
+  """Raises ``ValueError`` naming the first leaf of ``params`` a packed
+  accumulator does not have (or has in another shape)."""
   _checks.check_tree_matches(
     params,
     like_params(packing),
-    name="params",
+    name=name,
     ref_name="the packed accumulator (opt.init of the params it was made for; "
     "optax_accum.relayout(state, opt.init(params)) converts a state)",
   )

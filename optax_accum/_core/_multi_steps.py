@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike, DTypeLike
 
-from optax_accum._core import _backend, _checks, _layout, _reduction, _terms
+from optax_accum._core import _checks, _ending, _layout, _reduction, _terms
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import (
   WINDOW_MICRO_STEPS,
@@ -33,9 +33,6 @@ from optax_accum._core._transitions import (
   add_micro_batch,
   by_term,
   check_extra_args,
-  closed,
-  run_inner,
-  typed_like,
   window_ends,
   window_of,
 )
@@ -57,8 +54,8 @@ def _check_optimizer(opt: Any) -> None:
     )
 
 
-def _entered(state: MultiStepsState) -> tuple[MultiStepsState, Any]:
-  """``state`` with its sums as one sum, and their packing (or ``None``)."""
+def _packing(state: MultiStepsState) -> _layout.Packing | None:
+  """The packing of ``state``'s sums, or ``None`` for one sum."""
   acc = state.acc_grads
   if isinstance(acc, _layout.PerReplica):
     raise ValueError(
@@ -66,9 +63,7 @@ def _entered(state: MultiStepsState) -> tuple[MultiStepsState, Any]:
       "from step.init): MultiSteps.update takes one sum. Convert it with "
       "optax_accum.relayout(state, opt.init(params))."
     )
-  if isinstance(acc, _layout.Packed):
-    return state._replace(acc_grads=_layout.unpack(acc)), acc.packing
-  return state, None
+  return acc.packing if isinstance(acc, _layout.Packed) else None
 
 
 class MultiSteps:
@@ -302,49 +297,36 @@ class MultiSteps:
       positive weight, exact zeros on every other call; and the new state.
     """
     check_extra_args(extra_args, loss)
-    state, packing = _entered(state)
+    packing = _packing(state)
     reduction = _reduction.policy(self.config.axis_name)
+    # Added as laid out: a packed state's groups in one pass each.
+    laid_out = updates if packing is None else _layout.packed_like(updates, packing)
     added, counted = add_micro_batch(
-      self.config, state, updates, params, weight=weight, loss=loss, reduction=reduction
+      self.config,
+      state,
+      laid_out,
+      params,
+      weight=weight,
+      loss=loss,
+      reduction=reduction,
     )
     ends = window_ends(self.config, added, counted, end_window)
     if loss is not None:
       extra_args = {**extra_args, "value": self.window_loss(added)}
-
     terms = self.config.terms
     like = updates if terms is None else by_term(terms, updates, "updates")[0]
-
-    def apply() -> tuple[Any, Any, jax.Array]:
-      window = window_of(self.config, added)
-      grads, squares = _terms.finish(window, like, self.config.divides)
-      finite = ~reduction.any(_terms.nonfinite(window, squares), added.acc_weight)
-      new, inner = run_inner(self.config, self._opt, grads, added, params, extra_args)
-      new = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new)
-      old = jax.tree.map(typed_like, added.inner_opt_state, inner)
-      inner = jax.tree.map(lambda n, o: jnp.where(finite, n, o), inner, old)
-      return new, inner, finite
-
-    def hold() -> tuple[Any, Any, jax.Array]:  # Typed like apply's outputs.
-      new, inner, finite = jax.eval_shape(apply)
-      zeros = jax.tree.map(lambda a: typed_like(jnp.zeros_like(a), a), new)
-      unchanged = jax.tree.map(typed_like, added.inner_opt_state, inner)
-      return zeros, unchanged, typed_like(jnp.array(False), finite)
-
-    positive = ends & _terms.has_weight(window_of(self.config, added))
-    new_updates, inner, finite = _backend.branch(positive, apply, hold)
-    new_state = closed(
+    done = _ending.end(
       self.config,
+      self._opt,
       added,
       ends,
-      positive & ~finite,
-      positive & finite,
-      inner,
-      divided_loss=self.window_loss(added),
+      sums=added.acc_grads,
+      params=params,
+      like=like,
+      reduction=reduction,
+      extra_args=extra_args,
     )
-    if packing is not None:  # Returned in the layout it came in.
-      packed = _layout.pack(new_state.acc_grads, packing)
-      new_state = new_state._replace(acc_grads=packed)
-    return new_updates, new_state
+    return done.target, done.state
 
   def has_updated(self, state: MultiStepsState) -> jax.Array:
     """Whether the call that produced ``state`` applied an optimizer update.

@@ -16,9 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from optax_accum._core import _backend, _checks, _reduction, _terms
+from optax_accum._core import _checks, _ending, _reduction, _terms
 from optax_accum._core import _transitions as ms
 from optax_accum._core._hyperparams import get_hyperparams
 from optax_accum._core._multi_steps import MultiSteps
@@ -41,21 +40,6 @@ def counters(state: MultiStepsState) -> MultiStepsState:
 def joined(counters: MultiStepsState, inner: Any, acc: Any) -> MultiStepsState:
   """The state :func:`counters` split, whole again."""
   return counters._replace(inner_opt_state=inner, acc_grads=acc)
-
-
-def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
-  """``fn(init)`` if ``pred`` else ``init``, in the backend's form
-  (:func:`optax_accum._core._backend.once_if`); ``init`` is typed like
-  ``fn``'s outputs first (``jax.eval_shape``).
-
-  Examples:
-    >>> float(once_if(jnp.array(True), lambda x: x + 1, jnp.array(1.0)))
-    2.0
-    >>> float(once_if(jnp.array(False), lambda x: x + 1, jnp.array(1.0)))
-    1.0
-  """
-  init = jax.tree.map(ms.typed_like, init, jax.eval_shape(fn, init))
-  return _backend.once_if(pred, fn, init)
 
 
 def learning_rate(state: MultiStepsState) -> Any:
@@ -330,42 +314,27 @@ class Bodies:
     return Outputs(params, inner, sums, counters_, out, auxs)
 
   def _end(self, added: MultiStepsState, ends: Any, params: Any) -> tuple[Any, ...]:
-    """Ends the window if ``ends``, updating params in place; the gradient
-    takes the params' dtypes, as ``jax.grad``'s does.
+    """Ends the window of ``added`` (its sums one sum) if ``ends``, updating
+    params in place (:func:`optax_accum._core._ending.end`).
 
     Returns params, the inner state, the counters and the metrics.
     """
-    window, divides = ms.window_of(self.config, added), self.config.divides
-    positive = ends & _terms.has_weight(window)
-
-    def checked(_: Any) -> tuple[jax.Array, jax.Array]:
-      squares = _terms.squares(window, params, divides)
-      return squares, _terms.nonfinite(window, squares)
-
-    # Only a window that ends reads its sums: traced in the user's jit,
-    # ``ends`` is known only on the device, and every micro-step runs this.
-    squares, flag = once_if(positive, checked, zeros(jax.eval_shape(checked, None)))
-    nonfinite = positive & self.reduction.any(flag, added.acc_weight)
-    applies = positive & ~nonfinite
     loss = self.optimizer.window_loss(added)
-
-    def update(carry: Any) -> Any:
-      params, inner, _ = carry
-      grads = _terms.gradient(window, params, divides)
-      with_inner = added._replace(inner_opt_state=inner)
-      inner_opt, extra_args = self.optimizer.inner_opt, {"value": loss}
-      new, inner = ms.run_inner(
-        self.config, inner_opt, grads, with_inner, params, extra_args
-      )
-      return optax.apply_updates(params, new), inner, jnp.sqrt(squares)
-
-    carry = (params, added.inner_opt_state, jnp.zeros_like(squares))
-    params, inner, norm = once_if(applies, update, carry)
-    new = ms.closed(
-      self.config, added, ends, nonfinite, applies, inner, divided_loss=loss
+    done = _ending.end(
+      self.config,
+      self.optimizer.inner_opt,
+      added,
+      ends,
+      sums=added.acc_grads,
+      params=params,
+      like=params,
+      reduction=self.reduction,
+      extra_args={"value": loss},
+      apply_to_params=True,
     )
-    out = metrics(self.config, added, new, loss, norm, learning_rate(new))
-    return params, inner, counters(new), out
+    new = done.state
+    out = metrics(self.config, added, new, loss, done.norm, learning_rate(new))
+    return done.target, new.inner_opt_state, counters(new), out
 
 
 def zeros(shapes: Any) -> Any:

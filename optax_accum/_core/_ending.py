@@ -1,0 +1,148 @@
+"""Ending a window: the finite check, the inner optimizer at most once, the
+state closed. One function, :func:`end`, serves ``MultiSteps.update`` (which
+returns the updates) and the train step's programs (which apply them to the
+params in place).
+
+Compile time is linear in the leaves because every whole-tree scalar (the
+squared norm, the finite flag) reaches the per-leaf work only as the
+predicate of control flow (:func:`optax_accum._core._backend.once_if`): XLA
+fuses a cheap scalar chain into each consumer, so a flag read by every
+leaf's select would copy the chain over all leaves into every leaf's kernel.
+
+Examples:
+  One micro-batch of weight 2 ends a window of SGD at learning rate 1:
+
+  >>> import jax.numpy as jnp, optax, optax_accum
+  >>> from optax_accum._core import _reduction, _transitions
+  >>> acc = optax_accum.MultiSteps(optax.sgd(1.0), every_k_schedule=1)
+  >>> params, local = jnp.zeros(2), _reduction.Local()
+  >>> added, _ = _transitions.add_micro_batch(acc.config, acc.init(params),
+  ...   jnp.ones(2), weight=2.0, loss=None, reduction=local)
+  >>> done = end(acc.config, acc.inner_opt, added, jnp.array(True),
+  ...   sums=added.acc_grads, params=params, like=params, reduction=local,
+  ...   extra_args={})
+  >>> done.target.tolist(), round(float(done.norm), 4), int(done.state.gradient_step)
+  ([-1.0, -1.0], 1.4142, 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_accum._core import _backend, _layout, _terms
+from optax_accum._core import _transitions as ms
+from optax_accum._core._state import MultiStepsConfig, MultiStepsState
+
+
+class Ending(NamedTuple):
+  """What ending a window gives.
+
+  Attributes:
+    target: The updates (exact zeros unless the window applied one), or the
+      params with them applied (``apply_to_params``).
+    state: The state after the window's end, with the new inner state.
+    norm: The window gradient's norm where the window applied, else 0.
+    loss: The window's loss (``MultiSteps.window_loss``).
+  """
+
+  target: Any
+  state: MultiStepsState
+  norm: jax.Array
+  loss: jax.Array
+
+
+def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
+  """``fn(init)`` if ``pred`` else ``init``, in the backend's form
+  (:func:`optax_accum._core._backend.once_if`); ``init`` is typed like
+  ``fn``'s outputs first (dtype, varying axes, sharding).
+
+  Examples:
+    >>> float(once_if(jnp.array(True), lambda x: x + 1, jnp.array(1.0)))
+    2.0
+    >>> float(once_if(jnp.array(False), lambda x: x + 1, jnp.array(1.0)))
+    1.0
+  """
+
+  def typed(x: Any, like: Any) -> Any:
+    return ms.typed_like(jnp.asarray(x).astype(like.dtype), like)
+
+  fn = jax.jit(fn)  # Traced once: for its types, then for each backend's form.
+  init = jax.tree.map(typed, init, jax.eval_shape(fn, init))
+  return _backend.once_if(pred, fn, init)
+
+
+def end(
+  config: MultiStepsConfig,
+  opt: optax.GradientTransformationExtraArgs,
+  added: MultiStepsState,
+  ends: jax.Array,
+  *,
+  sums: Any,
+  params: Any,
+  like: Any,
+  reduction: Any,
+  extra_args: dict[str, Any],
+  apply_to_params: bool = False,
+) -> Ending:
+  """The window of ``added`` ended where ``ends``.
+
+  Only a window that ends with positive weight reads its sums; one whose
+  gradient, loss or weight is not finite (on any replica) ends without an
+  update. The gradient takes the dtypes of ``like``'s leaves.
+
+  Args:
+    config: The accumulator's settings.
+    opt: The inner optimizer (with extra-args support).
+    added: The state with the micro-batch added; its sums, in any layout,
+      are reset where the window ends.
+    ends: Whether the window ends (a bool scalar).
+    sums: The window's sums over all replicas, one sum (laid out as
+      ``like``) or packed.
+    params: The params, for the inner optimizer.
+    like: A tree whose leaves' dtypes the gradient takes.
+    reduction: The reduction policy (replicas agree on the finite check).
+    extra_args: For the inner optimizer (with ``value``, the window's loss,
+      when the caller passes it).
+    apply_to_params: Apply the updates to ``params`` (in place where the
+      backend allows) rather than returning them.
+  """
+  divides, window = config.divides, ms.window_of(config, added)
+  positive = ends & _terms.has_weight(window)
+
+  def window_of_sums() -> _terms.Terms:
+    # Cut into leaves inside the control flow, which takes a packed buffer
+    # whole: outside, XLA would fuse the last add into every leaf's slice.
+    return ms.window_of(config, added._replace(acc_grads=_layout.one_sum(sums)))
+
+  def checked(_: Any) -> tuple[jax.Array, jax.Array]:
+    summed = window_of_sums()
+    squares = _terms.squares(summed, like, divides)
+    return squares, _terms.nonfinite(summed, squares)
+
+  dtype = _terms.weight(window).dtype
+  squares, flag = once_if(positive, checked, (jnp.zeros([], dtype), jnp.array(False)))
+  nonfinite = positive & reduction.any(flag, added.acc_weight)
+  applies = positive & ~nonfinite
+
+  def update(carry: Any) -> Any:
+    target, inner, _ = carry
+    grads = _terms.gradient(window_of_sums(), like, divides)
+    with_inner = added._replace(inner_opt_state=inner)
+    # The params the loop carries: read outside it, they would need a copy.
+    now = target if apply_to_params else params
+    new, inner = ms.run_inner(config, opt, grads, with_inner, now, extra_args)
+    target = optax.apply_updates(target, new) if apply_to_params else new
+    return target, inner, jnp.sqrt(squares)
+
+  zeros = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)), like)
+  start = params if apply_to_params else zeros  # Typed by once_if.
+  carry = (start, added.inner_opt_state, jnp.zeros_like(squares))
+  target, inner, norm = once_if(applies, update, carry)
+  loss = _terms.mean_loss(window, shares=config.grad_reduction == "window_mean")
+  state = ms.closed(config, added, ends, nonfinite, applies, inner, divided_loss=loss)
+  return Ending(target, state, norm, loss)
