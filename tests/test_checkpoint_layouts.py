@@ -3,7 +3,8 @@
 Every path's state (one device with packed small leaves, loss terms, Explicit
 1-D and 2-D meshes, ``axis_name``, scan mode, the step in the user's own
 ``jit``) is saved with orbax in the middle of a window and at its end,
-restored against ``opt.init(params)`` (``step.init(params)`` on a mesh), and
+restored against ``step.init(params)`` (``opt.init(params)`` for a state of
+``MultiSteps.update``), and
 resumes bit-identical to the uninterrupted run. The layout is in the state's
 structure, never a shape: 16 scalar params on 16 replicas resume exactly.
 """
@@ -82,10 +83,11 @@ def _path(name):
     device = jax.devices()[0]
     mode = "scan" if name == "scan" else "stream"
     step = optax_accum.make_train_step(loss, opt, mode=mode)
+    init = step.init  # Packed: the step's layout on one device.
     if name == "jit":
       step = jax.jit(step)
     batch = _windows if name == "scan" else (lambda b: b)
-    return (lambda t: jax.device_put(t, device)), batch, step, opt.init
+    return (lambda t: jax.device_put(t, device)), batch, step, init
   if name == "explicit-2d":
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     specs = {"w": P(None, "model"), "b": [P("model")] * BIASES}
@@ -170,7 +172,7 @@ def test_relayout_converts_every_layout_exactly_where_the_maths_allows():
   ``relayout`` for a per-replica state."""
   params = _params0()
   opt = optax_accum.MultiSteps(optax.sgd(0.1), K)
-  packed = opt.init(params)
+  packed = optax_accum.make_train_step(_loss, opt).init(params)
   assert isinstance(packed.acc_grads, Packed)
   filled = jax.tree.map(lambda a: jnp.arange(a.size, dtype=a.dtype), packed.acc_grads)
   packed = packed._replace(acc_grads=filled)
@@ -256,6 +258,7 @@ def test_sixteen_scalars_on_sixteen_replicas_resume_with_the_whole_batch(tmp_pat
 
 
 SGD = optax_accum.MultiSteps(optax.sgd(1.0), K)
+_PACKED = optax_accum.make_train_step(_loss, SGD)  # Its init packs the biases.
 
 
 @functools.cache
@@ -304,7 +307,7 @@ def test_any_paths_state_continues_on_any_other_path(first, second):
   update (one device, packed sums)."""
   params = _params0()
   batches = _stream()[:K]
-  params_, state = _handing(first)(params, SGD.init(params), batches[:2])
+  params_, state = _handing(first)(params, _PACKED.init(params), batches[:2])
   assert isinstance(state.acc_grads, Packed)
   got, state = _handing(second)(params_, state, batches[2:])
   assert isinstance(state.acc_grads, Packed) and int(state.gradient_step) == 1

@@ -21,7 +21,7 @@ from benchmarks import accumulation
 from optax_accum._core import _backend, _layout
 from optax_accum._step import _packing
 from optax_accum._step._programs import counters as _counters
-from optax_accum._step._signature import Inputs
+from optax_accum._step._signature import Inputs, Split
 
 K = 4
 
@@ -47,7 +47,7 @@ def _stream(model, calls, min_leaves, monkeypatch, two_programs=True, **step_kwa
   opt = optax_accum.MultiSteps(optax.adamw(1e-2, weight_decay=0.1), K)
   step = optax_accum.make_train_step(model["loss_fn"], opt, **step_kwargs)
   params = jax.tree.map(jnp.copy, model["params"])
-  state, metrics = opt.init(params), []
+  state, metrics = step.init(params), []
   rng = np.random.default_rng(0)
   for call in range(calls):
     rows = model["batch"](model["rows"])
@@ -81,10 +81,10 @@ def test_a_backend_without_two_programs_ends_a_packed_window_in_one(monkeypatch)
   step = optax_accum.make_train_step(model["loss_fn"], opt)
   batch = model["batch"](model["rows"])
   _, _, packing = step._layouts.arranged(
-    model["params"], opt.init(model["params"]), batch
+    model["params"], step.init(model["params"]), batch
   )
   update = step._layouts.programs(packing).update
-  assert isinstance(update, _packing.PackedProgram)  # Not a PackedUpdate.
+  assert isinstance(update, _packing.PackedProgram)  # Not a Split.
   for what, a, b in zip(["params", "state", "metrics"], one_sum, packed, strict=False):
     assert _bitwise_equal(a, b), what
 
@@ -145,9 +145,9 @@ def test_a_packed_window_ends_in_two_programs_within_the_merged_ones_memory():
   opt = optax_accum.MultiSteps(optax.adamw(1e-3), K)
   step = optax_accum.make_train_step(model["loss_fn"], opt)
   params, batch = model["params"], model["batch"](2)
-  params, state, packing = step._layouts.arranged(params, opt.init(params), batch)
+  params, state, packing = step._layouts.arranged(params, step.init(params), batch)
   accumulate, update = step._layouts.programs(packing)
-  assert isinstance(update, _packing.PackedUpdate)
+  assert isinstance(update, Split)
   assert update.accumulate is accumulate
   inner, acc, counters = state.inner_opt_state, state.acc_grads, _counters(state)
   inputs = Inputs(params, inner, acc, counters, batch, None, False)
@@ -175,7 +175,7 @@ def _program(model, program):
   opt = optax_accum.MultiSteps(optax.adamw(1e-3), K)
   step = optax_accum.make_train_step(model["loss_fn"], opt)
   params = model["params"]
-  lowered = step.lower(params, opt.init(params), model["batch"](2), program=program)
+  lowered = step.lower(params, step.init(params), model["batch"](2), program=program)
   compiled = lowered.compile()
   buffers = len(jax.tree.leaves(lowered.args_info))
   buffers_out = len(jax.tree.leaves(compiled.output_shardings))
@@ -233,30 +233,36 @@ def test_plan_groups_small_leaves_by_dtype_and_size():
 
 
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices")
+def _init(opt, params):
+  """``step.init(params)`` of a streaming step of ``opt``."""
+  return optax_accum.make_train_step(lambda p, b: (0.0, 1.0), opt).init(params)
+
+
 def test_the_layout_is_the_params_rule_never_a_shape(monkeypatch):
-  """``opt.init`` packs by the rule of the params (one device, no loss terms,
-  no ``should_skip_update_fn``); a packed state and a one-sum state of the
-  same shapes are told apart by their structure."""
+  """``step.init`` packs by the rule of the params (one device, no loss
+  terms, no ``should_skip_update_fn``) and ``opt.init`` never does; a packed
+  state and a one-sum state of the same shapes are told apart by their
+  structure."""
   _min_leaves(monkeypatch, 2)
   params = {"a": jnp.ones(3), "b": jnp.ones(2)}
-  packed = optax_accum.MultiSteps(optax.sgd(0.1), K).init(params).acc_grads
+  opt = optax_accum.MultiSteps(optax.sgd(0.1), K)
+  packed = _init(opt, params).acc_grads
   assert isinstance(packed, _layout.Packed) and packed.groups[0].shape == (5,)
+  assert isinstance(opt.init(params).acc_grads, dict)
   terms = optax_accum.MultiSteps(optax.sgd(0.1), K, terms=("x", "y"))
-  assert not isinstance(terms.init(params).acc_grads, _layout.Packed)
+  assert not isinstance(_init(terms, params).acc_grads, _layout.Packed)
   skip = optax_accum.MultiSteps(
     optax.sgd(0.1), K, should_skip_update_fn=lambda u, s, p: (False, ())
   )
-  assert not isinstance(skip.init(params).acc_grads, _layout.Packed)
+  assert not isinstance(_init(skip, params).acc_grads, _layout.Packed)
   mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
   spread = jax.device_put(params, NamedSharding(mesh, P()))
-  assert isinstance(
-    optax_accum.MultiSteps(optax.sgd(0.1), K).init(spread).acc_grads, dict
-  )
+  assert not isinstance(_init(opt, spread).acc_grads, _layout.Packed)
 
 
 def _checkpointed(model, split, tmp_path, monkeypatch):
   """Streams ``split`` micro-batches with packing, saves with orbax, and
-  restores against ``opt.init(params)``: the batches that remain."""
+  restores against ``step.init(params)``: the batches that remain."""
   _min_leaves(monkeypatch, 2)
   # Momentum, not Adam: Adam turns the rounding of the key bias's gradient
   # (0 but for rounding) into steps of its learning rate, path by path.
@@ -264,7 +270,7 @@ def _checkpointed(model, split, tmp_path, monkeypatch):
   step = optax_accum.make_train_step(model["loss_fn"], opt)
   batches = [model["batch"](model["rows"]) for _ in range(3 * K)]
   params = jax.tree.map(jnp.copy, model["params"])
-  state = opt.init(params)
+  state = step.init(params)
   for batch in batches[:split]:
     params, state, _ = step(params, state, batch)
   assert isinstance(step._known.layout, _layout.Packing)
@@ -272,7 +278,7 @@ def _checkpointed(model, split, tmp_path, monkeypatch):
   saver.save(tmp_path / "ckpt", {"params": params, "opt_state": state, "position": 0})
   saver.wait_until_finished()
   fresh = jax.tree.map(jnp.zeros_like, model["params"])
-  target = {"params": fresh, "opt_state": opt.init(fresh), "position": 0}
+  target = {"params": fresh, "opt_state": step.init(fresh), "position": 0}
   restored = saver.restore(tmp_path / "ckpt", target)
   return opt, restored["params"], restored["opt_state"], batches
 
@@ -308,7 +314,7 @@ def _paths(model, opt):
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices")
 @pytest.mark.parametrize("split", [2, K + 3], ids=["first-window", "second-window"])
 def test_a_packed_checkpoint_resumes_on_every_path(split, tmp_path, monkeypatch):
-  """Restored against ``opt.init(params)``: a fresh streaming step resumes
+  """Restored against ``step.init(params)``: a fresh streaming step resumes
   bit-identical. Paths that never pack unpack it and end within 1e-6 of
   their own uninterrupted run."""
   model = accumulation.MODELS["lm-1x8-b2"]()
@@ -340,7 +346,7 @@ def test_a_packed_state_joins_a_scan_window(monkeypatch):
   stream = optax_accum.make_train_step(model["loss_fn"], opt, donate=False)
   scan = optax_accum.make_train_step(model["loss_fn"], opt, mode="scan", donate=False)
   batches = [model["batch"](model["rows"]) for _ in range(K)]
-  params, state = model["params"], opt.init(model["params"])
+  params, state = model["params"], stream.init(model["params"])
   for batch in batches[:2]:
     params, state, _ = stream(params, state, batch)
   assert isinstance(stream._known.layout, _layout.Packing)
@@ -363,7 +369,7 @@ def test_multi_steps_update_takes_a_packed_state_and_keeps_it_packed(monkeypatch
     return sum(v.sum() for v in params.values()) * batch, 1.0
 
   step = optax_accum.make_train_step(loss_fn, opt, donate=False)
-  _, state, _ = step(params, opt.init(params), jnp.float32(1))
+  _, state, _ = step(params, step.init(params), jnp.float32(1))
   assert isinstance(state.acc_grads, _layout.Packed)
   grads = jax.tree.map(jnp.ones_like, params)
   _, got = jax.jit(opt.update)(grads, state, params)

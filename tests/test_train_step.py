@@ -12,6 +12,7 @@ import pytest
 import toy_lm
 
 import optax_accum
+from optax_accum._core import _backend
 from optax_accum import split_micro_batches
 
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 3e-2, 4, 20, 1e-3)
@@ -134,7 +135,10 @@ def test_streaming_compiles_at_most_two_programs():
     end = np.bool_(i == 3 * k + 1)
     params, state, metrics = step(params, state, batch, end_window=end)
   assert int(metrics["update_count"]) == 4  # Three full windows, one cut short.
-  assert len(traces) == 2
+  # Two programs: where a window ends in two (XLA:CPU), the accumulate
+  # program adds its last micro-batch and the gradient is traced once.
+  two = _backend.of(jax.default_backend()).two_programs
+  assert len(traces) == (1 if two else 2)
 
 
 def test_works_traced_inside_the_callers_own_scan():

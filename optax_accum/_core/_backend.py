@@ -13,9 +13,10 @@ their control flow and what a buffer costs the host:
   the platform the program is lowered for (``lax.platform_dependent``), so a
   program traced on a CPU-only machine and lowered for ``cuda`` holds the
   GPU form.
-- **Packing small leaves** (:class:`Backend` ``max_leaf_size`` and the rest):
-  the host's cost per buffer and XLA:CPU's kernel per small add, measured on
-  XLA:CPU (``docs/benchmarks.md``, many small leaves).
+- **Packing small leaves** (:class:`Backend` ``packs``, ``max_leaf_size``
+  and the rest): the host's cost per buffer and XLA:CPU's kernel per small
+  add, measured on XLA:CPU (``docs/benchmarks.md``, many small leaves); off
+  elsewhere until measured there.
 - **Ending a window in two programs** (``two_programs``): on XLA:CPU, where a
   dispatch weighs as much as the work, an accumulate program then the
   window's end beat one program that does both.
@@ -25,8 +26,8 @@ The host side asks :func:`of` with :func:`platform_of` the params; the
 programs call :func:`once_if` and :func:`branch`.
 
 Examples:
-  >>> of("cpu").two_programs, of("cuda").two_programs
-  (True, False)
+  >>> of("cpu").packs, of("cuda").packs, of("cpu").two_programs, of("tpu").two_programs
+  (True, False, True, False)
   >>> import jax.numpy as jnp
   >>> float(once_if(jnp.array(False), lambda x: x + 1, jnp.array(1.0)))
   1.0
@@ -55,15 +56,18 @@ class Backend(NamedTuple):
       program and then the window's end, rather than one program.
   """
 
-  packs: bool = True
+  packs: bool = False
   max_leaf_size: int = 4096
   min_leaves: int = 16
   max_group_size: int = 32768
   two_programs: bool = False
 
 
-#: By platform name (``jax.Device.platform``); others get ``_DEFAULT``.
-_BACKENDS = {"cpu": Backend(two_programs=True)}
+#: By platform name (``jax.Device.platform``); others get ``_DEFAULT``. Each
+#: choice is measured on the backend it is for: packing and two programs on
+#: XLA:CPU (``docs/benchmarks.md``, many small leaves). GPUs and TPUs keep
+#: one buffer a leaf and one program until measured there.
+_BACKENDS = {"cpu": Backend(packs=True, two_programs=True)}
 _DEFAULT = Backend()
 
 

@@ -5,9 +5,10 @@ its pytree structure says which (never a shape):
 
 - **one sum**: laid out as the params (a tree like them, per loss term);
 - :class:`Packed`: the sums of many small leaves of one dtype in a few
-  buffers (groups), the others as they are. ``MultiSteps.init(params)``
-  packs where :func:`packing_for` says so: every buffer a program takes
-  costs the host time on every call, and XLA:CPU runs a kernel per small add;
+  buffers (groups), the others as they are. A train step's
+  ``step.init(params)`` on one device packs where :func:`packing_for` says
+  so: every buffer a program takes costs the host time on every call, and
+  XLA:CPU runs a kernel per small add;
 - :class:`PerReplica`: one partial sum per data-parallel replica, stacked
   along a leading axis (a train step's ``step.init(params)`` on a mesh).
 
@@ -128,11 +129,14 @@ def _split(indices: list[int], shapes: Any, max_size: int) -> list[tuple[int, ..
 
 
 def packing_for(config: MultiStepsConfig, params: Any, acc: Any) -> Packing | None:
-  """The rule ``MultiSteps.init`` follows: the packing of the sums ``acc`` of
-  ``params``, or ``None``. It packs without loss terms (each its own sums) or
-  ``should_skip_update_fn`` (which reads the sums as params), where the
-  backend packs and params are on at most one device (abstract shapes and
-  tracers count as one), if :func:`plan` finds groups."""
+  """The rule a train step's ``step.init`` follows (``MultiSteps.init`` never
+  packs: in the user's ``jit`` every leaf's kernel would read its own offset
+  of a shared buffer, one more kernel for XLA to compile per leaf): the
+  packing of the sums ``acc`` of ``params``, or ``None``. It packs without
+  loss terms (each its own sums) or ``should_skip_update_fn`` (which reads
+  the sums as params), where the backend packs and params are on at most one
+  device (abstract shapes and tracers count as one), if :func:`plan` finds
+  groups."""
   if config.terms is not None or config.should_skip_update_fn is not None:
     return None
   if not _backend.of(_backend.platform_of(params)).packs or devices(params) > 1:
@@ -161,7 +165,15 @@ def devices(tree: Any) -> int:
 
 
 def pack(acc: Any, packing: Packing) -> Packed:
-  """``acc`` (one sum) packed as ``packing`` says."""
+  """``acc`` (one sum) packed as ``packing`` says, its leaves matched to the
+  packing's by path (a ``ValueError`` naming the first that differs)."""
+  _checks.check_tree_matches(
+    acc,
+    like_params(packing),
+    name="the state's accumulator",
+    ref_name="the step's params (a state of other params starts from "
+    "step.init(params))",
+  )
   if _abstract(acc):
     return jax.eval_shape(lambda a: _pack(a, packing), acc)
   return _pack(acc, packing)
@@ -287,16 +299,20 @@ def relayout(state: MultiStepsState, like: MultiStepsState) -> MultiStepsState:
     ValueError: if the two accumulators are not of the same params.
 
   Examples:
+    A train step's packed state (20 small leaves, one device) as one sum and
+    back:
+
     >>> import jax.numpy as jnp, optax, optax_accum
     >>> params = {f"b{i}": jnp.zeros(2) for i in range(20)}
     >>> opt = optax_accum.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
-    >>> state = opt.init(params)
+    >>> step = optax_accum.make_train_step(lambda p, b: (p["b0"].sum(), 1.0), opt)
+    >>> state = step.init(params)
     >>> type(state.acc_grads).__name__
     'Packed'
-    >>> old = state._replace(acc_grads=optax_accum.relayout(state, None).acc_grads)
-    >>> type(old.acc_grads).__name__, old.acc_grads["b3"].shape
+    >>> one = optax_accum.relayout(state, opt.init(params))
+    >>> type(one.acc_grads).__name__, one.acc_grads["b3"].shape
     ('dict', (2,))
-    >>> type(optax_accum.relayout(old, state).acc_grads).__name__
+    >>> type(optax_accum.relayout(one, state).acc_grads).__name__
     'Packed'
   """
   acc = state.acc_grads

@@ -246,9 +246,6 @@ class MultiSteps:
     check_single_accumulation(inner_opt_state)
     count, weight = jnp.int32, _terms.weight(window).dtype  # A buffer per field:
     fields = _terms.joined(window, config.terms)._asdict()
-    packing = _layout.packing_for(config, params, fields["acc_grads"])
-    if packing is not None:
-      fields["acc_grads"] = _layout.pack(fields["acc_grads"], packing)
     return MultiStepsState(  # a state is donated leaf by leaf.
       **fields,
       gradient_step=gradient_step,

@@ -25,7 +25,7 @@ from optax_accum._core import _backend, _checks, _layout, _reduction, _terms
 from optax_accum._core._layout import Packed, Packing, PerReplica
 from optax_accum._core._multi_steps import MultiSteps, MultiStepsState
 from optax_accum._step import _deferred
-from optax_accum._step._packing import PackedBodies, PackedProgram, PackedUpdate
+from optax_accum._step._packing import PackedBodies, PackedProgram
 from optax_accum._step._programs import Bodies, counters
 from optax_accum._step._replicas import (
   DataLayout,
@@ -43,6 +43,7 @@ from optax_accum._step._signature import (
   Inputs,
   Pair,
   Program,
+  Split,
 )
 
 #: Where the accumulator lives for a call: one sum (``None``), packed, or
@@ -81,9 +82,10 @@ class Layouts:
     Traced (inside the user's ``jit`` or ``scan``), the state's own layout:
     a packed state runs the packed programs, per-replica partial sums are
     added up here and restacked by :meth:`restacked`. From Python: on no mesh
-    the layout ``opt.init(params)`` gives; under plain ``jit`` with
-    ``axis_name``, or with a batch split over ``Explicit`` data axes,
-    per-replica partial sums. Called for a state the step did not return last
+    the state's own layout too (packed from ``step.init(params)``, one sum
+    from ``opt.init(params)``: the init chooses, every path keeps it); under
+    plain ``jit`` with ``axis_name``, or with a batch split over ``Explicit``
+    data axes, per-replica partial sums. Called for a state the step did not return last
     (and in scan mode on every call).
     """
     acc = opt_state.acc_grads
@@ -93,7 +95,7 @@ class Layouts:
       return params, self.in_layout(opt_state, None), None
     mesh = mesh_of(params, batch)
     if mesh is None and self.bodies.config.axis_name is None:
-      packing = self._packing(params)
+      packing = acc.packing if isinstance(acc, Packed) else None
       return params, self.in_layout(opt_state, packing), packing
     if mesh is not None:
       params, opt_state = as_returned((params, opt_state), mesh)
@@ -166,13 +168,14 @@ class Layouts:
   def _stored(self, accs: Any) -> Any:
     return _terms.stored(accs, self.bodies.config.terms)
 
-  def _packing(self, params: Any) -> Packing | None:
-    """The packing ``opt.init(params)`` gives (see
+  def packing(self, params: Any) -> Packing | None:
+    """The packing the step keeps on one device (see
     :func:`optax_accum._core._layout.packing_for`), once per shapes."""
     key = avals(params)
     if key not in self._packings:
-      shapes = jax.eval_shape(self.bodies.optimizer.init, params).acc_grads
-      packing = shapes.packing if isinstance(shapes, Packed) else None
+      optimizer = self.bodies.optimizer
+      acc = jax.eval_shape(optimizer.init, params).acc_grads
+      packing = _layout.packing_for(optimizer.config, params, acc)
       self._packings[key] = packing
       if packing is not None:
         self._platforms[packing] = _backend.platform_of(params)
@@ -272,7 +275,7 @@ class Layouts:
     if not _backend.of(platform).two_programs:
       return Pair(accumulate, merged)
     ending = packed(bodies.ending, UPDATE_DONATES)
-    return Pair(accumulate, PackedUpdate(accumulate, ending, merged))
+    return Pair(accumulate, Split(accumulate, ending, merged))
 
 
 def _split_over(param: Any) -> tuple[str, ...]:

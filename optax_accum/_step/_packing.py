@@ -65,25 +65,3 @@ class PackedProgram:
 
   def lower(self, inputs: Inputs) -> jax.stages.Lowered:
     return self.program.lower(self._split(inputs))
-
-
-class PackedUpdate:
-  """The update program on a packed accumulator, run as two: ``accumulate``
-  adds the micro-batch, ``ending`` ends the window (faster than one program
-  on XLA:CPU where dispatch weighs as much as the work; ``docs/benchmarks.md``).
-  ``merged`` (the update body as one program) is what :meth:`lower` gives for
-  XLA's analyses: its peak memory bounds each of the two's.
-  """
-
-  def __init__(
-    self, accumulate: PackedProgram, ending: PackedProgram, merged: PackedProgram
-  ):
-    self.accumulate, self.ending, self.merged = accumulate, ending, merged
-
-  def __call__(self, inputs: Inputs) -> Outputs:
-    added = self.accumulate(inputs._replace(inner=None, end_window=None))
-    ends = inputs._replace(acc=added.acc, counters=added.counters, batch=None)
-    return self.ending(ends._replace(rng=None))._replace(aux=added.aux)
-
-  def lower(self, inputs: Inputs) -> jax.stages.Lowered:
-    return self.merged.lower(inputs)

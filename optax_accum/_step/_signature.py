@@ -104,3 +104,26 @@ class Pair(NamedTuple):
 
   accumulate: Any
   update: Any
+
+
+class Split:
+  """The update program run as two: ``accumulate`` adds the micro-batch,
+  ``ending`` ends the window (the backend's ``two_programs``: on XLA:CPU,
+  where a dispatch weighs as much as the work, faster than one program, and
+  the micro-batch's gradient is compiled once, in ``accumulate``, where one
+  program would compile it again). ``merged`` (the update body as one
+  program) is what :meth:`lower` gives for XLA's analyses: its peak memory
+  bounds each of the two's. Only where every micro-batch counts (no
+  ``should_skip_update_fn``): ``ending`` does not ask.
+  """
+
+  def __init__(self, accumulate: Any, ending: Any, merged: Any):
+    self.accumulate, self.ending, self.merged = accumulate, ending, merged
+
+  def __call__(self, inputs: Inputs) -> Outputs:
+    added = self.accumulate(inputs._replace(inner=None, end_window=None))
+    ends = inputs._replace(acc=added.acc, counters=added.counters, batch=None)
+    return self.ending(ends._replace(rng=None))._replace(aux=added.aux)
+
+  def lower(self, inputs: Inputs) -> jax.stages.Lowered:
+    return self.merged.lower(inputs)

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike
 
-from optax_accum._core import _checks, _reduction, _terms
+from optax_accum._core import _backend, _checks, _reduction, _terms
 from optax_accum._core._multi_steps import EveryKSchedule, MultiSteps, MultiStepsState
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import check_single_accumulation
@@ -40,10 +40,20 @@ from optax_accum._step._signature import (
   Outputs,
   Pair,
   Program,
+  Split,
 )
 
 Mode = Literal["stream", "scan"]
 StepOutput = tuple[optax.Params, MultiStepsState, Metrics]
+
+
+def _two_programs(optimizer: MultiSteps, mode: Mode) -> bool:
+  """Whether a streamed window on one sum ends in two programs (accumulate,
+  then ending): where the default backend says so and every micro-batch
+  counts (no ``should_skip_update_fn``)."""
+  if mode != "stream" or optimizer.config.should_skip_update_fn is not None:
+    return False
+  return _backend.of(jax.default_backend()).two_programs
 
 
 def _host_int(x: jax.Array) -> int:
@@ -135,7 +145,9 @@ class TrainStep:
   Streaming runs two programs. ``accumulate_program`` only adds a micro-batch:
   it reads params and returns only what it changes (the accumulator and the
   counters), so a micro-step that cannot end a window costs a gradient and an
-  add. ``update_program`` adds and, if the window ends, updates; it runs the
+  add. ``update_program`` adds and, if the window ends, updates (on XLA:CPU
+  the call that ends a window runs ``accumulate_program`` and then the
+  window's end alone, :class:`~optax_accum._step._signature.Split`); it runs the
   inner optimizer in a loop that runs once if the window really ends with
   positive, finite weight and gradient, and never otherwise: XLA updates
   params and optimizer state in place. It leaves the window's sum in the
@@ -175,7 +187,11 @@ class TrainStep:
       bodies.updating(mode == "scan"), UPDATE_DONATES, donate
     )
     self.accumulate_program = Program(bodies.accumulate, ACCUMULATE_DONATES, donate)
-    one_sum = Pair(self.accumulate_program, self.update_program)
+    update: Any = self.update_program
+    if _two_programs(optimizer, mode):
+      ending = Program(bodies.ending, UPDATE_DONATES, donate)
+      update = Split(self.accumulate_program, ending, self.update_program)
+    one_sum = Pair(self.accumulate_program, update)
     self._layouts = Layouts(bodies, mode, donate, one_sum)
     self._known: _Known | None = None
     # Scan mode with the inner optimizer's own state: per params' shapes, that
@@ -323,7 +339,11 @@ class TrainStep:
 
   def init(self, params: optax.Params) -> MultiStepsState:
     """The optimizer state to start a run from: ``self.optimizer.init(params)``,
-    its accumulator in the layout this step keeps on params' mesh.
+    its accumulator in the layout this step keeps: on one device, the sums of
+    many small leaves packed where the backend packs
+    (:class:`~optax_accum._core._layout.Packed`: fewer buffers a call, one
+    add a group; every path keeps a state's layout, so a state from
+    ``opt.init(params)`` stays one sum, one buffer a leaf).
 
     On a mesh, under plain ``jit``, the step keeps per-replica partial sums
     (:class:`~optax_accum._core._layout.PerReplica`): with ``axis_name``,
@@ -334,7 +354,8 @@ class TrainStep:
     state = self.optimizer.init(params)
     layout = self._layouts.init_layout(params)
     if layout is None:
-      return state
+      packing = self._layouts.packing(params)
+      return self._layouts.in_layout(state, packing) if packing else state
     _, state = as_returned((params, state), layout.mesh)
     return self._layouts.in_layout(state, layout, params)
 
