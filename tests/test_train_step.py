@@ -12,8 +12,8 @@ import pytest
 import toy_lm
 
 import optax_accum
-from optax_accum._core import _backend
 from optax_accum import split_micro_batches
+from optax_accum._core import _backend
 
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 3e-2, 4, 20, 1e-3)
 
