@@ -10,6 +10,7 @@ from optax_accum._core._multi_steps import (
   MultiStepsState,
 )
 from optax_accum._core._optax_microbatch import weighted_mean_accumulator
+from optax_accum._core._resume import resume_target
 from optax_accum._planning import MicroBatchPlan, plan_micro_batches
 from optax_accum._progress import (
   ProgressSchedule,
@@ -50,6 +51,7 @@ __all__ = (
   "plan_micro_batches",
   "progress_schedule",
   "relayout",
+  "resume_target",
   "schedule_free_eval_params",
   "split_micro_batches",
   "weighted_mean_accumulator",

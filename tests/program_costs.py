@@ -96,7 +96,7 @@ def _program_costs(model: str, mode: str, axis_name: str | None) -> dict[str, An
   step = optax_accum.make_train_step(
     built["loss_fn"], opt, mode=mode, axis_name=axis_name
   )
-  state = opt.init(params)
+  state = step.init(params)  # Packed where the step packs.
   programs = ("accumulate", "update") if mode == "stream" else ("update",)
   return {
     name: figures(step.lower(params, state, batch, program=name)) for name in programs

@@ -362,3 +362,155 @@ def test_a_per_replica_state_continues_in_your_jit_and_lax_scan(inside):
     jax.device_get(params),
     want,
   )
+
+
+# -- issue 48: states matched to params by leaf path, on every path ------------
+
+
+def _named_loss(params, batch):
+  h = batch["x"]
+  for name in sorted(params):
+    h = h + params[name][None]
+  n = batch["mask"].sum()
+  return ((jnp.tanh(h).sum(-1) ** 2) * batch["mask"]).sum() / n, n
+
+
+def _named_params(names):
+  rng = np.random.default_rng(2)
+  return {name: rng.normal(size=4).astype(np.float32) * 0.1 for name in names}
+
+
+def _named_batches():
+  rng = np.random.default_rng(3)
+  return [
+    {
+      "x": rng.normal(size=(ROWS, 4)).astype(np.float32),
+      "mask": (rng.random(ROWS) < 0.8).astype(np.float32),
+    }
+    for _ in range(K)
+  ]
+
+
+NAMES = [f"b{i:02d}" for i in range(20)]
+OTHERS = {
+  "lost-b00": NAMES[1:],
+  "renamed-z00": ["z00", *NAMES[1:]],  # The same shapes, in the same order.
+}
+
+
+def _other_paths(kind):
+  """A call ``(params, state, micro_batch)`` of one path: the streaming and
+  scan steps from Python, the step in the user's ``jit`` and ``lax.scan``,
+  and ``MultiSteps.update``."""
+  step = optax_accum.make_train_step(_named_loss, SGD, donate=False)
+  if kind == "stream":
+    return step
+  if kind == "scan":
+    scan = optax_accum.make_train_step(_named_loss, SGD, mode="scan", donate=False)
+    return lambda p, s, b: scan(p, s, _windows([b]))
+  if kind == "jit":
+    return jax.jit(step)
+  if kind == "lax.scan":
+    run = jax.jit(
+      lambda p, s, w: jax.lax.scan(lambda c, b: (step(*c, b)[:2], None), (p, s), w)
+    )
+    return lambda p, s, b: run(p, s, _windows([b]))
+  grad = jax.grad(lambda p, b: _named_loss(p, b)[0])
+  return lambda p, s, b: jax.jit(SGD.update)(grad(p, b), s, p)
+
+
+@pytest.mark.parametrize("layout", ["packed", "one-sum"])
+@pytest.mark.parametrize("other", list(OTHERS))
+@pytest.mark.parametrize("kind", ["stream", "scan", "jit", "lax.scan", "update"])
+def test_a_state_for_other_params_is_refused_naming_the_leaf(kind, other, layout):
+  """Half a window for 20 biases, continued with params that lost ``b00``
+  (or renamed it ``z00``, same shapes): a ``ValueError`` naming ``b00``, never
+  sums repacked by position (0.25 and 0.54 off the whole batch, silently)."""
+  params = _named_params(NAMES)
+  init = _PACKED_NAMED.init if layout == "packed" else SGD.init
+  state = init(params)
+  _, state, _ = _PACKED_NAMED(params, state, _named_batches()[0])
+  kept = {"packed": Packed, "one-sum": dict}[layout]
+  assert isinstance(state.acc_grads, kept)
+  with pytest.raises(ValueError, match=r"\['b00'\]"):
+    _other_paths(kind)(_named_params(OTHERS[other]), state, _named_batches()[1])
+
+
+_PACKED_NAMED = optax_accum.make_train_step(_named_loss, SGD, donate=False)
+
+
+def test_relayout_works_under_set_mesh():
+  """``relayout`` in every direction inside ``with jax.set_mesh(mesh)``, where
+  a program of arrays committed to one device cannot run: exact."""
+  params = _named_params(NAMES)
+  _, packed, _ = _PACKED_NAMED(params, _PACKED_NAMED.init(params), _named_batches()[0])
+  mesh = jax.make_mesh((8,), ("data",))
+  with jax.set_mesh(mesh):
+    one = optax_accum.relayout(packed, SGD.init(params))
+    again = optax_accum.relayout(one, packed)
+  assert isinstance(one.acc_grads, dict) and isinstance(again.acc_grads, Packed)
+  np.testing.assert_array_equal(again.acc_grads.groups[0], packed.acc_grads.groups[0])
+
+
+@pytest.mark.parametrize("how", ["relayout", "_replace"])
+def test_a_converted_state_goes_back_to_the_step_that_returned_it(how):
+  """A packed state the step returned, converted to one sum with
+  ``relayout`` (or its ``acc_grads`` ``_replace``d, as the docstring once
+  wrote), handed back: the step lays it out again (it recognised its own
+  state by the counters alone, and failed on the sums) and ends the window
+  with the whole batch's update."""
+  params = _named_params(NAMES)
+  step = optax_accum.make_train_step(_named_loss, SGD, donate=False)
+  batches = _named_batches()
+  p, state = params, step.init(params)
+  for b in batches[:2]:
+    p, state, _ = step(p, state, b)
+  one = optax_accum.relayout(state, SGD.init(params))
+  if how == "_replace":
+    one = state._replace(acc_grads=one.acc_grads)
+  for b in batches[2:]:
+    p, one, _ = step(p, one, b)
+  whole = jax.tree.map(lambda *rows: np.concatenate(rows), *batches)
+  grad = jax.grad(lambda q: _named_loss(q, whole)[0])(params)
+  want = jax.tree.map(lambda q, g: q - g, params, grad)
+  assert int(one.gradient_step) == 1
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5), p, want)
+
+
+@pytest.mark.parametrize("devices", [4, 1])
+def test_a_mid_window_checkpoint_of_8_replicas_resumes_on_fewer_devices(
+  devices, tmp_path
+):
+  """Half a window on 8 replicas (per-replica partial sums), saved with
+  orbax; restored on 4 devices, or on one, against
+  ``resume_target(step.init(params), ckpt.metadata(path)...)``: the window
+  ends as the uninterrupted 8-replica run does (the 8 partial sums added up
+  once: rounding only)."""
+  place8, batch8, step8, init8 = _path("explicit-1d")
+  params = place8(_params0())
+  state, stream = init8(params), _stream()[:K]
+  for b in stream[:2]:
+    params, state, _ = step8(params, state, batch8(b))
+  saver = ocp.StandardCheckpointer()
+  path = tmp_path / "checkpoint"
+  saver.save(path, {"params": params, "opt_state": state})
+  saver.wait_until_finished()
+  want = params
+  for b in stream[2:]:
+    want, state, _ = step8(want, state, batch8(b))
+  mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+  here = NamedSharding(mesh, P())
+  step = optax_accum.make_train_step(_loss, _path("explicit-1d")[2].optimizer)
+  fresh = jax.device_put(jax.tree.map(np.zeros_like, _params0()), here)
+  saved = saver.metadata(path).item_metadata["opt_state"]
+  target = optax_accum.resume_target(step.init(fresh), saved)
+  restored = saver.restore(path, {"params": fresh, "opt_state": target})
+  got, state = restored["params"], restored["opt_state"]
+  for b in stream[2:]:
+    got, state, _ = step(got, state, jax.device_put(b, NamedSharding(mesh, P("data"))))
+  assert int(state.gradient_step) == 1
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+    jax.device_get(got),
+    jax.device_get(want),
+  )

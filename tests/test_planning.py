@@ -498,16 +498,16 @@ def test_whole_batch_that_fits_is_one_compile_and_no_tqdm_is_silent(
 def test_abstract_params_of_many_small_leaves_plan_the_packed_programs():
   """Issue 43 item 3: on 20 small leaves given as ``jax.ShapeDtypeStruct``,
   ``step.lower`` and ``plan_micro_batches`` lower the packed programs that
-  will run (``opt.init`` packs by the same rule on shapes)."""
+  will run (``step.init`` packs by the same rule on shapes)."""
   params = {f"b{i:02d}": jax.ShapeDtypeStruct((8,), jnp.float32) for i in range(20)}
 
   def loss_fn(p, batch):
     return sum(v.sum() for v in p.values()) ** 2 * batch["x"].mean(), 1.0
 
   opt = optax_accum.MultiSteps(optax.sgd(0.1), 4)
-  state = jax.eval_shape(opt.init, params)
-  assert type(state.acc_grads).__name__ == "Packed"
   step = optax_accum.make_train_step(loss_fn, opt)
+  state = jax.eval_shape(step.init, params)
+  assert type(state.acc_grads).__name__ == "Packed"
   batch = {"x": jax.ShapeDtypeStruct((4, 3), jnp.float32)}
   lowered = step.lower(params, state, batch, program="accumulate")
   counters = len(jax.tree.leaves(state)) - len(jax.tree.leaves(state.acc_grads))

@@ -29,9 +29,11 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -319,6 +321,23 @@ def relayout(state: MultiStepsState, like: MultiStepsState) -> MultiStepsState:
   target = None if like is None else like.acc_grads
   if _same_layout(acc, target):
     return state
+  with _own_placement(state, like):
+    return _relayout(state, acc, target)
+
+
+@contextlib.contextmanager
+def _own_placement(*trees: Any) -> Iterator[None]:
+  """Outside a trace: no context mesh (under the user's ``jax.set_mesh``,
+  arrays committed to other devices cannot meet in a program); the arrays'
+  own shardings place every computation."""
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees)):
+    yield
+    return
+  with jax.set_mesh(None):
+    yield
+
+
+def _relayout(state: MultiStepsState, acc: Any, target: Any) -> MultiStepsState:
   total = one_sum(acc)
   _checks.check_tree_matches(
     total,

@@ -131,6 +131,7 @@ def compile_candidate(setup: CandidateSetup, micro: int, mode: Mode) -> PlanCand
     accumulate = [_analyse(step, setup, "accumulate", micro)] if k > 1 else []
     update_rows = micro if setup.pad else last
     programs = [*accumulate, _analyse(step, setup, "update", update_rows)]
+    _warm(step, setup, update_rows)
   return PlanCandidate(
     mode, micro, k, last, tuple(programs), setup.budget_bytes, step=step
   )
@@ -166,6 +167,18 @@ def _analyse(
     resident_bytes=setup.resident.opt_state_bytes if program == "accumulate" else 0,
     compile_seconds=seconds,
   )
+
+
+def _warm(step: Any, setup: CandidateSetup, rows: int) -> None:
+  """Compiles what the call that ends a window runs where it runs two
+  programs (``update`` gave their merged form): the accumulate program for
+  its micro-batch's rows and the window's end, so the plan's step runs its
+  windows without compiling again."""
+  leaves = [_rows(s, rows) for _, s in setup.rows_like]
+  batch = jax.tree.unflatten(setup.batch_treedef, leaves)
+  for program in ("accumulate", "ending"):
+    args = (setup.params, setup.opt_state, batch, setup.rng)
+    step.lower(*args, program=program).compile()
 
 
 def _rows(

@@ -108,11 +108,13 @@ def _row_shards(path: Any, leaf: jax.ShapeDtypeStruct) -> int:
 
 
 def opt_state_structs(opt_state: Any, optimizer: MultiSteps, params: Any) -> Any:
-  """The given ``MultiSteps`` state as structs, or the one ``init`` would build."""
+  """The given ``MultiSteps`` state as structs, or the one a train step's
+  ``step.init(params)`` would build (packed where the step packs)."""
   if opt_state is None:
     state = jax.eval_shape(optimizer.init, params)
-    if _layout.devices(params) > 1:  # As init on arrays: no packing on a mesh.
-      state = state._replace(acc_grads=_layout.one_sum(state.acc_grads))
+    packing = _layout.packing_for(optimizer.config, params, state.acc_grads)
+    if packing is not None:
+      state = state._replace(acc_grads=_layout.pack(state.acc_grads, packing))
     return _sharded_like_params(state, params)
   opt_state = jax.tree.map(struct, opt_state)
   if not isinstance(opt_state, MultiStepsState):

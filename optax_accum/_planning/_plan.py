@@ -126,7 +126,7 @@ def plan_micro_batches(
     has_aux: As for :func:`make_train_step`.
     donate: As for :func:`make_train_step`.
     opt_state: The ``MultiSteps`` state (arrays or structs) to plan with. By
-      default ``jax.eval_shape(optimizer.init, params)``, with each leaf
+      default the shapes of ``plan.step.init(params)``, with each leaf
       sharded like the parameter it shadows (``acc_grads``, Adam's moments),
       as an eager ``init`` places it; give it when yours is sharded otherwise.
     compare_modes: Also compile the other mode at the chosen size.

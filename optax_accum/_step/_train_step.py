@@ -118,10 +118,16 @@ class _Known(NamedTuple):
   params: Any  # Params the update program returned: fresh, unaliased buffers.
   learning_rate: Any  # The metric (unchanged until the next update), or _UNKNOWN.
   layout: Layout = None  # Packed, or per-replica partial sums under jit.
+  acc: Any = None  # The returned state's accumulator node, compared by identity.
 
   def describes(self, state: MultiStepsState) -> bool:
+    """Whether ``state`` is the state returned last: its counters and its
+    accumulator (which ``relayout`` or ``_replace`` give anew) the very
+    objects."""
     return (
-      state.mini_step is self.mini_step and state.gradient_step is self.gradient_step
+      state.mini_step is self.mini_step
+      and state.gradient_step is self.gradient_step
+      and state.acc_grads is self.acc
     )
 
   def counts(self, state: MultiStepsState, optimizer: MultiSteps) -> tuple[int, int]:
@@ -331,6 +337,7 @@ class TrainStep:
     self._known = known._replace(
       mini_step=opt_state.mini_step,
       gradient_step=opt_state.gradient_step,
+      acc=opt_state.acc_grads,
       value=value if config.counts_every_micro_batch else None,
       k=None if ends and config.constant_k is None else known.k,
       params=params if ends else known.params,
@@ -366,14 +373,17 @@ class TrainStep:
     batch: Any,
     rng: jax.Array | None = None,
     *,
-    program: Literal["accumulate", "update"] = "update",
+    program: Literal["accumulate", "update", "ending"] = "update",
   ) -> jax.stages.Lowered:
     """Lowers one of the step's programs for these arguments, without running it.
 
     For XLA's analyses (``.compile().memory_analysis()``, ``cost_analysis()``,
     ``as_text()``). ``"update"`` is the program that can end a window (in
-    scan mode, the whole window's program); ``"accumulate"`` the streaming
-    program for micro-steps that cannot.
+    scan mode, the whole window's program; where a streamed window ends in
+    two programs, the two as one, whose peak bounds each's);
+    ``"accumulate"`` the streaming program for micro-steps that cannot;
+    ``"ending"`` the second of those two (the window's end alone; the update
+    program where a window ends in one).
     """
     if self.mode == "scan" and not isinstance(opt_state, MultiStepsState):
       params, opt_state, layout = self._own_window(params, opt_state, batch, rng)
@@ -383,10 +393,14 @@ class TrainStep:
     inputs = self._inputs(params, opt_state, batch, rng)
     if program == "accumulate" and self.mode == "stream":
       return programs.accumulate.lower(inputs._replace(inner=None))
-    if program != "update":
+    if program == "ending" and isinstance(programs.update, Split):
+      ends = inputs._replace(batch=None, rng=None, end_window=False)
+      return programs.update.ending.lower(ends)
+    scan_ending = self.mode == "scan" and program != "update"
+    if program not in ("update", "ending") or scan_ending:
       raise ValueError(
-        f"`program` must be 'update' or, in streaming mode, 'accumulate'; got "
-        f"{program!r}."
+        "`program` must be 'update' or, in streaming mode, 'accumulate' or "
+        f"'ending'; got {program!r}."
       )
     end_window = None if self.mode == "scan" else False
     return programs.update.lower(inputs._replace(end_window=end_window))

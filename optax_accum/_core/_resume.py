@@ -1,0 +1,118 @@
+"""A restore target for a checkpoint taken in any layout, on any devices.
+
+A checkpoint records the accumulator's layout in its structure, and per-replica
+partial sums in their leading axis: a mid-window checkpoint of 8 replicas holds
+sums of shape ``(8, ...)``, which a target from ``step.init(params)`` on 4
+devices (``(4, ...)``) or on one (params-shaped) cannot receive.
+:func:`resume_target` builds the target from the state you resume with and
+the checkpoint's own shapes; the state it restores goes to any step, which
+lays it out for its devices (per-replica sums of another count are added up
+once, exactly the window's sum up to the order of that add).
+
+Examples:
+  A state saved with 8 replicas' partial sums, resumed on one device:
+
+  >>> import jax, numpy as np, optax, optax_accum
+  >>> from optax_accum._core import _layout
+  >>> opt = optax_accum.MultiSteps(optax.sgd(0.1), every_k_schedule=4)
+  >>> here = opt.init({"w": np.zeros(3, np.float32)})
+  >>> saved = here._replace(
+  ...   acc_grads=_layout.PerReplica({"w": np.zeros((8, 3), np.float32)}, ("data",)))
+  >>> target = resume_target(here, saved)
+  >>> target.acc_grads.sums["w"].shape
+  (8, 3)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from optax_accum._core import _backend, _layout
+from optax_accum._core._layout import Packed, PerReplica
+from optax_accum._core._state import MultiStepsState
+
+
+def resume_target(state: MultiStepsState, saved: Any) -> MultiStepsState:
+  """``state`` as the target to restore a checkpoint of ``saved``'s layout.
+
+  Args:
+    state: The state you would start from where you resume (``step.init(params)``
+      or ``opt.init(params)`` on the devices you resume on).
+    saved: The saved optimizer state, or its checkpoint metadata: orbax's
+      ``ckpt.metadata(path).item_metadata["opt_state"]`` (anything with the
+      saved ``acc_grads``' fields and shapes).
+
+  Returns:
+    ``state`` with its accumulator in the saved layout, as host arrays of the
+    saved shapes (zeros, for the restore to fill); every other field as it
+    is. Pass what the restore returns to the step: it lays the sums out for
+    its devices (for your own ``jit``, first
+    ``optax_accum.relayout(restored, step.init(params))``).
+
+  Raises:
+    ValueError: if ``saved`` is packed for a packing these params do not
+      give, or its sums are not of these params.
+  """
+  acc = _field(saved, "acc_grads")
+  shapes = jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype),
+    _layout.one_sum_shapes(state.acc_grads),
+  )
+  groups = _field(acc, "groups", None)
+  if groups is not None:
+    return state._replace(acc_grads=_packed(state, shapes, groups))
+  sums = _field(acc, "sums", None)
+  if sums is None:  # One sum.
+    return state._replace(acc_grads=jax.tree.map(_zeros, shapes))
+  replicas = int(np.shape(_leaves(sums)[0])[0])
+  stacked = jax.tree.map(lambda s: np.zeros((replicas, *s.shape), s.dtype), shapes)
+  given = state.acc_grads
+  axes = given.axes if isinstance(given, PerReplica) else _field(acc, "axes", ())
+  return state._replace(acc_grads=PerReplica(stacked, tuple(axes)))
+
+
+def _packed(state: MultiStepsState, shapes: Any, groups: Any) -> Packed:
+  """A packed target: the state's packing, or the one XLA:CPU's thresholds
+  give these params; its group sizes must be the saved ones."""
+  given = state.acc_grads
+  if isinstance(given, Packed):
+    packing = given.packing
+  else:
+    cpu = _backend.of("cpu")
+    packing = _layout.plan(shapes, None, cpu.max_leaf_size, cpu.min_leaves)
+  saved = [int(np.prod(np.shape(g))) for g in _leaves(groups)]
+  if packing is None or [packing.size(g) for g in packing.groups] != saved:
+    raise ValueError(
+      f"`saved` is packed in groups of {saved} elements, which these params' "
+      "packing does not give. Restore it against `step.init(params)` of the "
+      "step that saved it, then optax_accum.relayout(restored, state)."
+    )
+  leaves = [_zeros(s) for s in jax.tree.leaves(shapes)]
+  dtypes = [g.dtype for g in given.groups] if isinstance(given, Packed) else None
+  return Packed(
+    tuple(
+      np.zeros(packing.size(g), dtypes[n] if dtypes else leaves[g[0]].dtype)
+      for n, g in enumerate(packing.groups)
+    ),
+    tuple(leaves[i] for i in packing.rest),
+    packing,
+  )
+
+
+def _field(tree: Any, name: str, *default: Any) -> Any:
+  """A field of a state, a layout node or a checkpoint's metadata (a dict)."""
+  if isinstance(tree, Mapping):
+    return tree[name] if name in tree or not default else default[0]
+  return getattr(tree, name, *default)
+
+
+def _leaves(tree: Any) -> list[Any]:
+  return jax.tree.leaves(tree, is_leaf=lambda x: hasattr(x, "shape"))
+
+
+def _zeros(shape: jax.ShapeDtypeStruct) -> np.ndarray:
+  return np.zeros(shape.shape, shape.dtype)

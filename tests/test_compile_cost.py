@@ -1,0 +1,104 @@
+"""Compile cost grows linearly in the leaves (issue 48): deterministic figures.
+
+XLA copies a cheap scalar chain into every consumer's kernel. A whole-tree
+scalar (the window's squared norm, its finite flag) read by every leaf's
+select made each leaf's kernel carry an add per leaf: the compiled module of
+``MultiSteps.update`` in the user's ``jit`` grew with the square of the
+leaves (7,801 instructions at 44 leaves, 27,161 at 88). The compiled module's
+instruction count is deterministic for one jax version; the CPU-seconds are
+in ``benchmarks/compile.py``.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import optax_accum
+from benchmarks.accumulation import many_leaves
+from benchmarks.compile import instructions
+from optax_accum._core import _backend
+
+K = 4
+SMALL, LARGE = 12, 48  # Leaves: four times as many.
+
+
+def _model(leaves):
+  model = many_leaves(leaves, 8, 2)
+  return model["params"], model["loss_fn"], model["batch"](2)
+
+
+def _update_in_jit(leaves, init):
+  """``MultiSteps.update`` in the user's ``jit``, as the README writes it."""
+  params, loss_fn, batch = _model(leaves)
+  opt = optax_accum.MultiSteps(optax.adamw(1e-3), K)
+  step = optax_accum.make_train_step(loss_fn, opt)
+
+  def micro_step(params, state, batch):
+    (_, n), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    updates, state = opt.update(grads, state, params, weight=n)
+    return optax.apply_updates(params, updates), state
+
+  state = {"opt.init": opt.init, "step.init": step.init}[init](params)
+  return jax.jit(micro_step).lower(params, state, batch).compile()
+
+
+def _step_in_jit(leaves, init):
+  """The train step traced in the user's ``jit``."""
+  params, loss_fn, batch = _model(leaves)
+  opt = optax_accum.MultiSteps(optax.adamw(1e-3), K)
+  step = optax_accum.make_train_step(loss_fn, opt)
+  state = {"opt.init": opt.init, "step.init": step.init}[init](params)
+  run = jax.jit(lambda p, s, b: step(p, s, b)[:2])
+  return run.lower(params, state, batch).compile()
+
+
+def _optax_in_jit(leaves):
+  params, loss_fn, batch = _model(leaves)
+  ms = optax.MultiSteps(optax.adamw(1e-3), K)
+
+  def micro_step(params, state, batch):
+    grads = jax.grad(lambda p: loss_fn(p, batch)[0])(params)
+    updates, state = ms.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return jax.jit(micro_step).lower(params, ms.init(params), batch).compile()
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's module")
+@pytest.mark.parametrize("init", ["opt.init", "step.init"])
+@pytest.mark.parametrize("path", [_update_in_jit, _step_in_jit], ids=["update", "step"])
+def test_the_compiled_module_grows_linearly_in_the_leaves(path, init):
+  """Four times the leaves, at most four times the instructions (a fixed
+  part makes it fewer), and no more than ``optax.MultiSteps``' module at
+  either size: one sum (``opt.init``) and packed (``step.init``)."""
+  small, large = (instructions(path(n, init)) for n in (SMALL, LARGE))
+  assert large <= 4 * small, (small, large)
+  assert large <= instructions(_optax_in_jit(LARGE)), large
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's module")
+def test_the_gpu_form_grows_linearly_in_the_leaves(monkeypatch):
+  """The select form the GPU gets (``lax.platform_dependent``'s default
+  branch, compiled here by XLA:CPU): every leaf's select reads the window's
+  flag, not the norm's chain over every leaf (the old form took 37 s of
+  CPU to compile at 88 leaves)."""
+  cpu = _backend.of("cpu")
+  monkeypatch.setitem(_backend._BACKENDS, "cpu", cpu._replace(packs=False))
+  monkeypatch.setattr(
+    jax.lax, "platform_dependent", _default_branch(jax.lax.platform_dependent)
+  )
+  small, large = (instructions(_update_in_jit(n, "opt.init")) for n in (SMALL, LARGE))
+  assert large <= 4 * small, (small, large)
+
+
+def _default_branch(platform_dependent):
+  def default(*args, default, **branches):
+    return platform_dependent(*args, cpu=default, default=default)
+
+  return default
+
+
+def test_instructions_counts_the_values_a_module_defines():
+  compiled = jax.jit(lambda x: jnp.sin(x) + 1).lower(jnp.ones(3)).compile()
+  assert 2 <= instructions(compiled) <= 10
