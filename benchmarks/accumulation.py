@@ -570,7 +570,7 @@ def bench_model(
   rounds.add("optimizer_flat", opt_flat_run.loop(windows), windows)
   accum_flat = optax_accum.MultiSteps(flat_tx, k)
   step_flat = optax_accum.make_train_step(loss_fn, accum_flat)
-  flat_state = accum_flat.init(params0)
+  flat_state = step_flat.init(params0)
   stream_flat_run = Carry(step_flat, [copy(params0), flat_state], micro)
   rounds.add("stream_flat_optimizer", stream_flat_run.loop(micro_steps), micro_steps)
 
@@ -603,7 +603,7 @@ def bench_model(
   # (4) optax_accum streaming: as users call it, traced in their jit, blocked.
   accum = optax_accum.MultiSteps(adamw, k)
   step = optax_accum.make_train_step(loss_fn, accum)
-  state0 = accum.init(params0)
+  state0 = step.init(params0)  # Packed where the step packs.
   results["stream_accumulate"] = _analysis(
     step.lower(params0, state0, micro, program="accumulate")
   )
@@ -617,25 +617,25 @@ def bench_model(
     micro,
   )
   rounds.add("limit_program", program_run.loop(micro_steps), micro_steps)
-  stream_run = Carry(step, [copy(params0), accum.init(params0)], micro)
+  stream_run = Carry(step, [copy(params0), step.init(params0)], micro)
   rounds.add("stream", stream_run.loop(micro_steps), micro_steps)
   in_graph = jax.jit(lambda p, s, b: step(p, s, b), donate_argnums=(0, 1))
-  in_graph_run = Carry(in_graph, [copy(params0), accum.init(params0)], micro)
+  in_graph_run = Carry(in_graph, [copy(params0), step.init(params0)], micro)
   rounds.add("stream_in_graph", in_graph_run.loop(micro_steps), micro_steps)
   # A loop that blocks has a step of its own, as a user's would: one step
   # returning the state of two loops in turn re-reads it at every switch.
   blocking_step = optax_accum.make_train_step(loss_fn, accum)
   blocked = Carry(
     lambda *args: jax.block_until_ready(blocking_step(*args)),
-    [copy(params0), accum.init(params0)],
+    [copy(params0), blocking_step.init(params0)],
     micro,
   )
   rounds.add("stream_blocked", blocked.loop(micro_steps), micro_steps)
 
   # (5) scan mode, per window, and its bound: the scan of gradient plus add.
   scan = optax_accum.make_train_step(loss_fn, accum, mode="scan")
-  results["scan"] = _analysis(scan.lower(params0, state0, stacked))
-  scan_run = Carry(scan, [copy(params0), accum.init(params0)], stacked)
+  results["scan"] = _analysis(scan.lower(params0, scan.init(params0), stacked))
+  scan_run = Carry(scan, [copy(params0), scan.init(params0)], stacked)
   rounds.add("scan", scan_run.loop(windows), windows)
 
   def scan_limit(acc, params, stacked):
@@ -834,11 +834,8 @@ def host_overhead(leaf_counts: list[int], calls: int) -> list[dict[str, float]]:
       micro,
     )
     accum = optax_accum.MultiSteps(optax.sgd(1e-3), 8)
-    ours = Carry(
-      optax_accum.make_train_step(loss_fn, accum),
-      [copy(params), accum.init(params)],
-      micro,
-    )
+    step = optax_accum.make_train_step(loss_fn, accum)
+    ours = Carry(step, [copy(params), step.init(params)], micro)
     rounds = Rounds()
     for label, run in [("jit", bare), ("optax", theirs), ("stream", ours)]:
       rounds.add(label, run.loop(calls), calls)

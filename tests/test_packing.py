@@ -60,7 +60,9 @@ def _stream(model, calls, min_leaves, monkeypatch, two_programs=True, **step_kwa
   return params, state, metrics, step._known.layout
 
 
-@pytest.mark.parametrize("name", ["leaves-400x32-b4", "lm-1x8-b2"])
+@pytest.mark.parametrize(
+  "name", [pytest.param("leaves-400x32-b4", marks=pytest.mark.long), "lm-1x8-b2"]
+)
 def test_packed_programs_are_bit_identical_on_the_benchmark_models(name, monkeypatch):
   """Ten micro-steps (2.5 windows): params, optimizer state, the window's
   sums and every metric bit for bit as in the one-sum layout."""
@@ -141,7 +143,7 @@ def test_a_packed_window_ends_in_two_programs_within_the_merged_ones_memory():
   """The window's last call runs the accumulate program, then ``finish``;
   ``lower`` gives the two as one program, whose peak bounds each's (the
   inner state resident while the accumulate program runs)."""
-  model = accumulation.MODELS["leaves-400x32-b4"]()
+  model = accumulation.many_leaves(64, 32, 4)
   opt = optax_accum.MultiSteps(optax.adamw(1e-3), K)
   step = optax_accum.make_train_step(model["loss_fn"], opt)
   params, batch = model["params"], model["batch"](2)

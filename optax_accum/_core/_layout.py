@@ -243,8 +243,8 @@ def check_params(params: Any, packing: Packing, name: str = "params") -> None:
     params,
     like_params(packing),
     name=name,
-    ref_name="the packed accumulator (opt.init of the params it was made for; "
-    "optax_accum.relayout(state, opt.init(params)) converts a state)",
+    ref_name="the packed accumulator (step.init of the params it was made for; "
+    "a state of other params starts from step.init(params))",
   )
 
 

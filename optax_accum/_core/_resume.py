@@ -79,6 +79,7 @@ def _packed(state: MultiStepsState, shapes: Any, groups: Any) -> Packed:
   """A packed target: the state's packing, or the one XLA:CPU's thresholds
   give these params; its group sizes must be the saved ones."""
   given = state.acc_grads
+  packing: _layout.Packing | None = None
   if isinstance(given, Packed):
     packing = given.packing
   else:

@@ -1,7 +1,7 @@
 """Where a train step's accumulator lives for a call, and the programs for it.
 
 The state's structure says the layout (:mod:`optax_accum._core._layout`): one
-sum, :class:`~optax_accum._core._layout.Packed` (``opt.init(params)`` on one
+sum, :class:`~optax_accum._core._layout.Packed` (``step.init(params)`` on one
 device, many small leaves: :mod:`optax_accum._step._packing`) or
 :class:`~optax_accum._core._layout.PerReplica` partial sums under plain ``jit``
 (``step.init(params)`` on a mesh): added in a ``shard_map`` with ``axis_name``

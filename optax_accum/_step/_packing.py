@@ -3,7 +3,7 @@
 Every buffer a program takes or returns costs the host time on every call,
 whatever its size, and XLA:CPU runs a kernel per leaf for each small add. On a
 model of many small leaves (an unscanned transformer's norms and biases, or
-hundreds of small layers) ``opt.init(params)`` packs the sums
+hundreds of small layers) ``step.init(params)`` packs the sums
 (:func:`optax_accum._core._layout.packing_for`), and the step passes one
 buffer per group of small leaves of one dtype. Inside the programs
 (:class:`PackedBodies`) each micro-batch's gradients are packed alike and
