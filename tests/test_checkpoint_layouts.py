@@ -514,3 +514,23 @@ def test_a_mid_window_checkpoint_of_8_replicas_resumes_on_fewer_devices(
     jax.device_get(got),
     jax.device_get(want),
   )
+
+
+def test_resume_target_takes_the_saved_layout():
+  """Packed, per-replica and one-sum checkpoints each get a target of their
+  own layout and shapes (host zeros), from any state of the same params; a
+  packing these params do not give is refused, naming the way out."""
+  params = _named_params(NAMES)
+  packed = _PACKED_NAMED.init(params)
+  one = SGD.init(params)
+  target = optax_accum.resume_target(one, packed)
+  assert isinstance(target.acc_grads, Packed)
+  assert target.acc_grads.packing == packed.acc_grads.packing
+  saved = one._replace(
+    acc_grads=PerReplica(jax.tree.map(lambda a: np.zeros((8, *a.shape)), params), ())
+  )
+  assert optax_accum.resume_target(packed, saved).acc_grads.sums["b07"].shape == (8, 4)
+  assert optax_accum.resume_target(packed, one).acc_grads["b07"].shape == (4,)
+  fewer = _PACKED_NAMED.init(_named_params(NAMES[:17]))
+  with pytest.raises(ValueError, match=r"step\.init\(params\)"):
+    optax_accum.resume_target(one, fewer)

@@ -9,7 +9,7 @@ their control flow and what a buffer costs the host:
   predicate to the host and waits for the device on every execution, so there
   the optimizer runs on every call that can end a window and a select keeps
   the old values where it must not apply (fused into its elementwise
-  kernels). :func:`once_if` and :func:`branch` lower to one or the other for
+  kernels). :func:`once_if` lowers to one or the other for
   the platform the program is lowered for (``lax.platform_dependent``), so a
   program traced on a CPU-only machine and lowered for ``cuda`` holds the
   GPU form.
@@ -23,7 +23,7 @@ their control flow and what a buffer costs the host:
 - **The finite check's marker** (:func:`nan_marker`).
 
 The host side asks :func:`of` with :func:`platform_of` the params; the
-programs call :func:`once_if` and :func:`branch`.
+programs call :func:`once_if`.
 
 Examples:
   >>> of("cpu").packs, of("cuda").packs, of("cpu").two_programs, of("tpu").two_programs
@@ -141,24 +141,6 @@ def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
   return jax.lax.platform_dependent(
     pred, init, cpu=looped, tpu=looped, default=lambda p, i: _selected(p, fn, i)
   )
-
-
-def branch(pred: jax.Array, apply: Callable[[], Any], hold: Callable[[], Any]) -> Any:
-  """``apply()`` if ``pred`` else ``hold()`` (typed alike): a ``cond`` on CPU
-  and TPU, both and a select on GPUs.
-
-  Examples:
-    >>> int(branch(jnp.array(False), lambda: jnp.array(1), lambda: jnp.array(2)))
-    2
-  """
-
-  def selected(p: jax.Array) -> Any:
-    return jax.tree.map(lambda a, h: jnp.where(p, a, h), apply(), hold())
-
-  def branched(p: jax.Array) -> Any:
-    return jax.lax.cond(p, apply, hold)
-
-  return jax.lax.platform_dependent(pred, cpu=branched, tpu=branched, default=selected)
 
 
 def nan_marker(g: jax.Array) -> jax.Array:

@@ -9,11 +9,10 @@ about the state it returned last, and the accumulator's layout under plain
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.typing import ArrayLike
 
@@ -22,6 +21,7 @@ from optax_accum._core._multi_steps import EveryKSchedule, MultiSteps, MultiStep
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import check_single_accumulation
 from optax_accum._core._transitions import with_window
+from optax_accum._step._known import UNKNOWN, Known
 from optax_accum._step._layouts import Layout, Layouts, avals, is_traced
 from optax_accum._step._programs import (
   Bodies,
@@ -54,13 +54,6 @@ def _two_programs(optimizer: MultiSteps, mode: Mode) -> bool:
   if mode != "stream" or optimizer.config.should_skip_update_fn is not None:
     return False
   return _backend.of(jax.default_backend()).two_programs
-
-
-def _host_int(x: jax.Array) -> int:
-  """A replicated scalar's value, read from this process's own copy."""
-  if getattr(x, "is_fully_addressable", True):
-    return int(jax.device_get(x))
-  return int(np.asarray(x.addressable_shards[0].data))
 
 
 def _unaliased(donated: Any, kept: Any) -> Any:
@@ -101,45 +94,6 @@ def _check_scan_end_window(end_window: Any) -> None:
     )
 
 
-_UNKNOWN: Any = object()  # A learning rate not looked up yet.
-
-
-class _Known(NamedTuple):
-  """What the host knows about the optimizer state a step returned last.
-
-  Valid only for a state whose counters are those very array objects: a state
-  the user built, restored or kept from earlier is read from the device.
-  """
-
-  mini_step: jax.Array  # The returned state's counters, compared by identity.
-  gradient_step: jax.Array
-  value: int | None  # Its value; None where counting depends on the data.
-  k: int | None  # The window's length; None where it must be read.
-  params: Any  # Params the update program returned: fresh, unaliased buffers.
-  learning_rate: Any  # The metric (unchanged until the next update), or _UNKNOWN.
-  layout: Layout = None  # Packed, or per-replica partial sums under jit.
-  acc: Any = None  # The returned state's accumulator node, compared by identity.
-
-  def describes(self, state: MultiStepsState) -> bool:
-    """Whether ``state`` is the state returned last: its counters and its
-    accumulator (which ``relayout`` or ``_replace`` give anew) the very
-    objects."""
-    return (
-      state.mini_step is self.mini_step
-      and state.gradient_step is self.gradient_step
-      and state.acc_grads is self.acc
-    )
-
-  def counts(self, state: MultiStepsState, optimizer: MultiSteps) -> tuple[int, int]:
-    """The window's micro-batches so far and its length, read from ``state``
-    where not known."""
-    value = _host_int(state.mini_step) if self.value is None else self.value
-    k = self.k if self.k is not None else optimizer.config.constant_k
-    if k is None:
-      k = int(optimizer.k_at(_host_int(state.gradient_step)))
-    return value, max(k, 1)
-
-
 class TrainStep:
   """The callable that :func:`make_train_step` returns.
 
@@ -148,28 +102,17 @@ class TrainStep:
   micro-batch; in scan mode one call takes a whole window, with the
   micro-batches along the batch's leading axis.
 
-  Streaming runs two programs. ``accumulate_program`` only adds a micro-batch:
-  it reads params and returns only what it changes (the accumulator and the
-  counters), so a micro-step that cannot end a window costs a gradient and an
-  add. ``update_program`` adds and, if the window ends, updates (on XLA:CPU
-  the call that ends a window runs ``accumulate_program`` and then the
-  window's end alone, :class:`~optax_accum._step._signature.Split`); it runs the
-  inner optimizer in a loop that runs once if the window really ends with
-  positive, finite weight and gradient, and never otherwise: XLA updates
-  params and optimizer state in place. It leaves the window's sum in the
-  accumulator for the next window's first micro-batch to overwrite.
-
-  Which program runs is decided from the optimizer state's own counters, never
-  from a counter of the step's: the step remembers the counter values of the
-  state it returned last (it knows them without reading the device whenever
-  every micro-batch counts), and reads the device only for a state it did not
-  return (the first call, a restored checkpoint, a state kept from earlier),
-  on every call with ``should_skip_update_fn`` (counting depends on the data),
-  and once per window with a callable ``every_k_schedule``. A loop can thus
-  queue step after step without waiting for any of them. Traced inside the
-  caller's own ``jit`` or ``scan``, where the counters cannot be read, the
-  step runs ``update_program`` (correct on any micro-step; the optimizer still
-  runs once per window).
+  Streaming runs two programs: ``accumulate_program`` adds a micro-batch
+  that cannot end the window (a gradient and an add); ``update_program`` adds
+  one and ends the window if it is full, running the inner optimizer in a
+  loop that runs at most once, in place (on XLA:CPU the call runs
+  ``accumulate_program``, then the window's end alone:
+  :class:`~optax_accum._step._signature.Split`). Which one runs is decided
+  from the state's own counters, which the host knows for the state it
+  returned last (:class:`~optax_accum._step._known.Known`) and reads from
+  the device otherwise, so a loop queues step after step without waiting.
+  Traced in the caller's ``jit`` or ``scan`` the step runs the update
+  program, correct on any micro-step.
   """
 
   def __init__(
@@ -199,7 +142,7 @@ class TrainStep:
       update = Split(self.accumulate_program, ending, self.update_program)
     one_sum = Pair(self.accumulate_program, update)
     self._layouts = Layouts(bodies, mode, donate, one_sum)
-    self._known: _Known | None = None
+    self._known: Known | None = None
     # Scan mode with the inner optimizer's own state: per params' shapes, that
     # state's structure and the counters of an empty window.
     self._empty: dict[Any, tuple[Any, MultiStepsState]] = {}
@@ -242,7 +185,7 @@ class TrainStep:
       )
     else:
       lr = known.learning_rate
-      lr = jax.tree.map(jnp.copy, learning_rate(opt_state)) if lr is _UNKNOWN else lr
+      lr = jax.tree.map(jnp.copy, learning_rate(opt_state)) if lr is UNKNOWN else lr
       known = known._replace(learning_rate=lr)
       out = self._run_accumulate(
         params, opt_state, batch, rng, lr, check_aliasing=not hit, layout=known.layout
@@ -315,7 +258,7 @@ class TrainStep:
 
   def _recalled(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
-  ) -> tuple[_Known, Any, MultiStepsState, bool]:
+  ) -> tuple[Known, Any, MultiStepsState, bool]:
     """What the host knows of ``opt_state`` (read from the device where not),
     params and the state as this call runs with them, and whether the step
     returned the state last."""
@@ -323,12 +266,12 @@ class TrainStep:
     hit = known is not None and known.describes(opt_state)
     if known is None or not hit:
       params, opt_state, layout = self._layouts.arranged(params, opt_state, batch, rng)
-      known = _Known(
-        opt_state.mini_step, opt_state.gradient_step, None, None, None, _UNKNOWN, layout
+      known = Known(
+        opt_state.mini_step, opt_state.gradient_step, None, None, None, UNKNOWN, layout
       )
     return known, params, opt_state, hit
 
-  def _remember(self, known: _Known, out: StepOutput, ends: bool) -> None:
+  def _remember(self, known: Known, out: StepOutput, ends: bool) -> None:
     """Keeps what the host knows of the state this call returns (``known``:
     of the state it was called with, its counts filled in)."""
     params, opt_state, metrics_ = out
@@ -345,18 +288,14 @@ class TrainStep:
     )
 
   def init(self, params: optax.Params) -> MultiStepsState:
-    """The optimizer state to start a run from: ``self.optimizer.init(params)``,
-    its accumulator in the layout this step keeps: on one device, the sums of
-    many small leaves packed where the backend packs
-    (:class:`~optax_accum._core._layout.Packed`: fewer buffers a call, one
-    add a group; every path keeps a state's layout, so a state from
-    ``opt.init(params)`` stays one sum, one buffer a leaf).
-
-    On a mesh, under plain ``jit``, the step keeps per-replica partial sums
-    (:class:`~optax_accum._core._layout.PerReplica`): with ``axis_name``,
-    over its axes; without, on an ``Explicit`` mesh, over the ``Explicit``
-    axes no param is split over (where they hold more than one replica). A
-    checkpoint of the step's state restores against this state.
+    """The optimizer state to start a run from: ``self.optimizer.init(params)``
+    in the layout this step keeps. On one device, many small leaves' sums
+    packed where the backend packs (:class:`~optax_accum._core._layout.Packed`);
+    on a mesh under plain ``jit``, per-replica partial sums
+    (:class:`~optax_accum._core._layout.PerReplica`): over ``axis_name``'s
+    axes, or on an ``Explicit`` mesh over the ``Explicit`` axes no param is
+    split over. Every path keeps a state's layout (``opt.init(params)``'s
+    stays one sum); a checkpoint of the step's state restores against this.
     """
     state = self.optimizer.init(params)
     layout = self._layouts.init_layout(params)
