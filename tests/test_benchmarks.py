@@ -145,3 +145,18 @@ def test_accelerator_smoke(tmp_path):
   assert row["rates"]["scan"]["TFLOP/s"] > 0
   (written,) = tmp_path.glob("*-accelerator.json")
   assert json.loads(written.read_text())["rows"][0]["k"] == 2
+
+
+def test_compile_benchmark_smoke():
+  """``benchmarks/compile.py``'s four paths and their references run on a
+  tiny model, and its table has a cell per path."""
+  from benchmarks import compile as compile_bench
+
+  model = accumulation.many_leaves(6, 8, 2)
+  row = {"model": "tiny", "leaves": 6}
+  for path in compile_bench.PATHS:
+    row[path] = getattr(compile_bench, path)(model)
+    assert row[path]["seconds"] > 0 and row[path]["reference_seconds"] > 0
+  assert row["update_in_jit"]["instructions"] > 0
+  table = compile_bench.markdown([row])
+  assert table.splitlines()[2].count("x**") == len(compile_bench.PATHS)
