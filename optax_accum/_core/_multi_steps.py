@@ -84,10 +84,9 @@ class MultiSteps:
   kind of micro-batch (padding only, a bad weight, a non-finite gradient)
   does to the window is in ``docs/multi_steps.md``.
 
-  :meth:`init` lays the sums out by a rule of the params alone: packed in a
-  few buffers (``acc_grads`` a ``Packed`` node) where params are on one
-  device and a dtype has many small leaves, without ``terms`` or
-  ``should_skip_update_fn``; every call returns the layout it was given.
+  :meth:`init` lays the sums out as the params; a train step's
+  ``step.init`` may pack them (``acc_grads`` a ``Packed`` node), and every
+  call returns the layout it was given.
 
   Args:
     opt: The optimizer to run once per window.
