@@ -113,14 +113,9 @@ def end(
   """
   divides, window = config.divides, ms.window_of(config, added)
   positive = ends & _terms.has_weight(window)
-
-  def window_of_sums() -> _terms.Terms:
-    # Cut into leaves inside the control flow, which takes a packed buffer
-    # whole: outside, XLA would fuse the last add into every leaf's slice.
-    return ms.window_of(config, added._replace(acc_grads=_layout.one_sum(sums)))
+  summed = ms.window_of(config, added._replace(acc_grads=_layout.one_sum(sums)))
 
   def checked(_: Any) -> tuple[jax.Array, jax.Array]:
-    summed = window_of_sums()
     squares = _terms.squares(summed, like, divides)
     return squares, _terms.nonfinite(summed, squares)
 
@@ -131,7 +126,7 @@ def end(
 
   def update(carry: Any) -> Any:
     target, inner, _ = carry
-    grads = _terms.gradient(window_of_sums(), like, divides)
+    grads = _terms.gradient(summed, like, divides)
     with_inner = added._replace(inner_opt_state=inner)
     # The params the loop carries: read outside it, they would need a copy.
     now = target if apply_to_params else params
