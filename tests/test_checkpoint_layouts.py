@@ -534,3 +534,22 @@ def test_resume_target_takes_the_saved_layout():
   fewer = _PACKED_NAMED.init(_named_params(NAMES[:17]))
   with pytest.raises(ValueError, match=r"step\.init\(params\)"):
     optax_accum.resume_target(one, fewer)
+
+
+def _any_shape_loss(params, batch):
+  """A loss of params of any shape (the step checks its gradient's leaves)."""
+  return sum(jnp.sum(v**2) for v in params.values()), batch["mask"].sum()
+
+
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+def test_a_packed_state_for_a_reshaped_leaf_names_the_leaf(mode):
+  """Params whose ``b00`` changed shape (4 to 2 x 2, the same size): the
+  leaf and both shapes are named, not the packed group the sums live in."""
+  params = _named_params(NAMES)
+  stream = optax_accum.make_train_step(_any_shape_loss, SGD, donate=False)
+  _, state, _ = stream(params, stream.init(params), _named_batches()[0])
+  reshaped = {**params, "b00": params["b00"].reshape(2, 2)}
+  step = optax_accum.make_train_step(_any_shape_loss, SGD, mode=mode, donate=False)
+  batch = _named_batches()[1]
+  with pytest.raises(ValueError, match=r"\['b00'\] has shape \(2, 2\)"):
+    step(reshaped, state, _windows([batch]) if mode == "scan" else batch)
