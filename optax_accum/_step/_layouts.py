@@ -7,8 +7,9 @@ device, many small leaves: :mod:`optax_accum._step._packing`) or
 (``step.init(params)`` on a mesh): added in a ``shard_map`` with ``axis_name``
 (:mod:`optax_accum._step._replicas`), or in the global view with gradients left
 ``unreduced`` on an ``Explicit`` mesh (:mod:`optax_accum._step._deferred`).
-Called from Python, the host converts a state the step did not return last to
-the layout of the call; traced, the step returns the layout it was given. The
+The init chooses the layout and the step keeps it; only on a mesh, called
+from Python, the host converts a state the step did not return last to the
+layout of the call (traced, the step returns the layout it was given). The
 programs for each layout are built once.
 """
 
