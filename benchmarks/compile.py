@@ -130,7 +130,7 @@ def _in_jit(fn: Callable[..., Any], *args: Any) -> tuple[float, int]:
   return seconds, instructions(compiled)
 
 
-def _accum_update_in_jit(loss_fn: Callable[..., Any], acc: Any) -> Callable[..., Any]:
+def accum_update_in_jit(loss_fn: Callable[..., Any], acc: Any) -> Callable[..., Any]:
   """``optax_accum.MultiSteps.update`` in the user's ``jit``, as the README
   writes it: the gradient, the update with the micro-batch's weight."""
 
@@ -142,25 +142,32 @@ def _accum_update_in_jit(loss_fn: Callable[..., Any], acc: Any) -> Callable[...,
   return step
 
 
-def update_in_jit(model: dict[str, Any]) -> dict[str, Any]:
+def _beside_optax(model: dict[str, Any], ours: Callable[..., Any]) -> dict[str, Any]:
+  """The row of a path in the user's ``jit``: ``ours(loss_fn, params)``
+  gives its function and state; the reference is ``optax.MultiSteps``."""
   params, loss_fn = model["params"], model["loss_fn"]
   batch = model["batch"](model["rows"])
-  acc = optax_accum.MultiSteps(optax.adamw(1e-3), K)
-  ours = _in_jit(_accum_update_in_jit(loss_fn, acc), params, acc.init(params), batch)
+  fn, state = ours(loss_fn, params)
   ms = optax.MultiSteps(optax.adamw(1e-3), K)
   ref = _in_jit(optax_in_jit(loss_fn, ms), params, ms.init(params), batch)
-  return _row(ours, ref)
+  return _row(_in_jit(fn, params, state, batch), ref)
+
+
+def update_in_jit(model: dict[str, Any]) -> dict[str, Any]:
+  def ours(loss_fn: Any, params: Any) -> tuple[Any, Any]:
+    acc = optax_accum.MultiSteps(optax.adamw(1e-3), K)
+    return accum_update_in_jit(loss_fn, acc), acc.init(params)
+
+  return _beside_optax(model, ours)
 
 
 def step_in_jit(model: dict[str, Any]) -> dict[str, Any]:
-  params, loss_fn = model["params"], model["loss_fn"]
-  batch = model["batch"](model["rows"])
-  acc = optax_accum.MultiSteps(optax.adamw(1e-3), K)
-  step = optax_accum.make_train_step(loss_fn, acc)
-  ours = _in_jit(lambda p, s, b: step(p, s, b)[:2], params, step.init(params), batch)
-  ms = optax.MultiSteps(optax.adamw(1e-3), K)
-  ref = _in_jit(optax_in_jit(loss_fn, ms), params, ms.init(params), batch)
-  return _row(ours, ref)
+  def ours(loss_fn: Any, params: Any) -> tuple[Any, Any]:
+    acc = optax_accum.MultiSteps(optax.adamw(1e-3), K)
+    step = optax_accum.make_train_step(loss_fn, acc)
+    return (lambda p, s, b: step(p, s, b)[:2]), step.init(params)
+
+  return _beside_optax(model, ours)
 
 
 def stream(model: dict[str, Any]) -> dict[str, Any]:

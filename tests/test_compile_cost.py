@@ -15,8 +15,8 @@ import optax
 import pytest
 
 import optax_accum
-from benchmarks.accumulation import many_leaves
-from benchmarks.compile import instructions
+from benchmarks.accumulation import many_leaves, optax_in_jit
+from benchmarks.compile import accum_update_in_jit, instructions
 from optax_accum._core import _backend
 
 K = 4
@@ -33,13 +33,8 @@ def _update_in_jit(leaves, init):
   params, loss_fn, batch = _model(leaves)
   opt = optax_accum.MultiSteps(optax.adamw(1e-3), K)
   step = optax_accum.make_train_step(loss_fn, opt)
-
-  def micro_step(params, state, batch):
-    (_, n), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
-    updates, state = opt.update(grads, state, params, weight=n)
-    return optax.apply_updates(params, updates), state
-
   state = {"opt.init": opt.init, "step.init": step.init}[init](params)
+  micro_step = accum_update_in_jit(loss_fn, opt)
   return jax.jit(micro_step).lower(params, state, batch).compile()
 
 
@@ -56,13 +51,8 @@ def _step_in_jit(leaves, init):
 def _optax_in_jit(leaves):
   params, loss_fn, batch = _model(leaves)
   ms = optax.MultiSteps(optax.adamw(1e-3), K)
-
-  def micro_step(params, state, batch):
-    grads = jax.grad(lambda p: loss_fn(p, batch)[0])(params)
-    updates, state = ms.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return jax.jit(micro_step).lower(params, ms.init(params), batch).compile()
+  step = jax.jit(optax_in_jit(loss_fn, ms))
+  return step.lower(params, ms.init(params), batch).compile()
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's module")

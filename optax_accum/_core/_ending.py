@@ -20,7 +20,7 @@ Examples:
   ...   jnp.ones(2), weight=2.0, loss=None, reduction=local)
   >>> done = end(acc.config, acc.inner_opt, added, jnp.array(True),
   ...   sums=added.acc_grads, params=params, like=params, reduction=local,
-  ...   extra_args={})
+  ...   loss=jnp.zeros(()), extra_args={})
   >>> done.target.tolist(), round(float(done.norm), 4), int(done.state.gradient_step)
   ([-1.0, -1.0], 1.4142, 1)
 """
@@ -47,13 +47,11 @@ class Ending(NamedTuple):
       params with them applied (``apply_to_params``).
     state: The state after the window's end, with the new inner state.
     norm: The window gradient's norm where the window applied, else 0.
-    loss: The window's loss (``MultiSteps.window_loss``).
   """
 
   target: Any
   state: MultiStepsState
   norm: jax.Array
-  loss: jax.Array
 
 
 def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
@@ -86,6 +84,7 @@ def end(
   params: Any,
   like: Any,
   reduction: Any,
+  loss: jax.Array,
   extra_args: dict[str, Any],
   apply_to_params: bool = False,
 ) -> Ending:
@@ -106,6 +105,7 @@ def end(
     params: The params, for the inner optimizer.
     like: A tree whose leaves' dtypes the gradient takes.
     reduction: The reduction policy (replicas agree on the finite check).
+    loss: The window's loss (``MultiSteps.window_loss``), kept in the state.
     extra_args: For the inner optimizer (with ``value``, the window's loss,
       when the caller passes it).
     apply_to_params: Apply the updates to ``params`` (in place where the
@@ -134,10 +134,11 @@ def end(
     target = optax.apply_updates(target, new) if apply_to_params else new
     return target, inner, jnp.sqrt(squares)
 
-  zeros = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)), like)
-  start = params if apply_to_params else zeros  # Typed by once_if.
+  if apply_to_params:
+    start = params
+  else:  # Zeros typed by once_if as the updates (a varying ``like`` would not do).
+    start = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)), like)
   carry = (start, added.inner_opt_state, jnp.zeros_like(squares))
   target, inner, norm = once_if(applies, update, carry)
-  loss = _terms.mean_loss(window, shares=config.grad_reduction == "window_mean")
   state = ms.closed(config, added, ends, nonfinite, applies, inner, divided_loss=loss)
-  return Ending(target, state, norm, loss)
+  return Ending(target, state, norm)

@@ -169,13 +169,7 @@ def devices(tree: Any) -> int:
 def pack(acc: Any, packing: Packing) -> Packed:
   """``acc`` (one sum) packed as ``packing`` says, its leaves matched to the
   packing's by path (a ``ValueError`` naming the first that differs)."""
-  _checks.check_tree_matches(
-    acc,
-    like_params(packing),
-    name="the state's accumulator",
-    ref_name="the step's params (a state of other params starts from "
-    "step.init(params))",
-  )
+  check_params(acc, packing, name="the state's accumulator")
   if _abstract(acc):
     return jax.eval_shape(lambda a: _pack(a, packing), acc)
   return _pack(acc, packing)
@@ -209,10 +203,11 @@ def packed(acc: Any, packing: Packing) -> tuple[tuple[Any, ...], tuple[Any, ...]
   return groups, tuple(leaves[i] for i in packing.rest)
 
 
-def packed_like(grads: Any, packing: Packing) -> Packed:
+def packed_like(grads: Any, packing: Packing, name: str = "updates") -> Packed:
   """Inside a program: a gradient laid out as ``packing``'s sums, after a
-  check of its leaves by path (a ``ValueError`` naming the leaf)."""
-  check_params(grads, packing, name="updates")
+  check of its leaves by path (a ``ValueError`` naming the leaf of ``name``:
+  at trace time)."""
+  check_params(grads, packing, name=name)
   return Packed(*packed(grads, packing), packing)
 
 

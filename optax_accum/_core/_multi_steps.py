@@ -307,8 +307,9 @@ class MultiSteps:
       reduction=reduction,
     )
     ends = window_ends(self.config, added, counted, end_window)
+    window_loss = self.window_loss(added)
     if loss is not None:
-      extra_args = {**extra_args, "value": self.window_loss(added)}
+      extra_args = {**extra_args, "value": window_loss}
     terms = self.config.terms
     like = updates if terms is None else by_term(terms, updates, "updates")[0]
     done = _ending.end(
@@ -320,6 +321,7 @@ class MultiSteps:
       params=params,
       like=like,
       reduction=reduction,
+      loss=window_loss,
       extra_args=extra_args,
     )
     return done.target, done.state

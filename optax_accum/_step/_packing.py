@@ -38,8 +38,8 @@ class PackedBodies(Bodies):
     self.packing = packing
 
   def accumulated(self, grads: Any) -> Any:
-    _layout.check_params(grads, self.packing)  # At trace time: names the leaf.
-    return _layout.packed(grads, self.packing)
+    laid_out = _layout.packed_like(grads, self.packing, name="params")
+    return laid_out.groups, laid_out.rest
 
   def as_params(self, acc: Any) -> Any:
     return _layout.unpacked(self.packing, *acc)

@@ -329,6 +329,7 @@ class Bodies:
       params=params,
       like=params,
       reduction=self.reduction,
+      loss=loss,
       extra_args={"value": loss},
       apply_to_params=True,
     )
