@@ -1,6 +1,6 @@
 """Gradient accumulation for JAX/Optax, exactly equivalent to the whole batch."""
 
-from optax_accum._audit import AuditReport, Verdict, audit
+from optax_accum._audit import AuditReport, Verdict, audit, per_window
 from optax_accum._core._layout import Packed, PerReplica, relayout
 from optax_accum._core._multi_steps import (
   WINDOW_MICRO_STEPS,
@@ -48,6 +48,7 @@ __all__ = (
   "get_last_window",
   "get_update_count",
   "make_train_step",
+  "per_window",
   "plan_micro_batches",
   "progress_schedule",
   "relayout",

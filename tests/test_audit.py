@@ -994,3 +994,34 @@ def test_a_loss_without_weight_is_a_clear_error():
 def test_make_train_step_names_the_module_of_a_wrong_optimizer():
   with pytest.raises(ValueError, match=r"got optax\.MultiSteps"):
     optax_accum.make_train_step(mean_loss, optax.MultiSteps(ADAMW, K))
+
+
+# --- a trainer that takes whole windows (issue 49, item 6) -------------------------
+
+
+def _window_trainer(weighted):
+  """xlstm-jax's shape: one jitted call per window, over its micro-batches;
+  `weighted=False` is its original uniform mean of micro-batch gradients."""
+
+  def setup(optimizer, k):
+    @jax.jit
+    def train_window(params, state, micro_batches):
+      grads, weights = zip(*(_grads(params, b) for b in micro_batches), strict=True)
+      shares = weights if weighted else (1.0,) * k
+      total = sum(shares)
+      mean = jax.tree.map(
+        lambda *g: sum(s * x for s, x in zip(shares, g, strict=True)) / total, *grads
+      )
+      updates, state = optimizer.update(mean, state, params)
+      return optax.apply_updates(params, updates), state
+
+    return optimizer.init, train_window
+
+  return setup
+
+
+@pytest.mark.parametrize("weighted", [True, False], ids=["token_weighted", "uniform"])
+def test_a_window_level_trainer_through_per_window(weighted):
+  report = _audit(optax_accum.per_window(_window_trainer(weighted)), ADAMW_PLAIN)
+  assert report.ok == weighted
+  assert sorted(report.found()) == ([] if weighted else ["F1"])

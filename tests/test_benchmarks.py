@@ -105,7 +105,7 @@ def test_data_parallel_benchmark_counts_one_reduction_per_window(tmp_path):
   assert (tmp_path / "smoke-data-parallel.md").stat().st_size > 0
 
 
-@pytest.mark.slow
+@pytest.mark.long  # 35 s of CPU: the LM's variants each compile.
 def test_lm_benchmark_smoke(tmp_path):
   """The LM benchmark on a tiny LM: every variant timed per window, the ratios,
   tokens per second and both targets written; its results files exist."""

@@ -163,17 +163,17 @@ def test_shard_map_with_axis_name_sums_over_replicas(reduction, check_vma):
     return emitted
 
   results = {}
-  for axis_name in ("data", None):
+  for axis_name in ("data", ()):
     opt = optax_accum.MultiSteps(
       optax.identity(), k, grad_reduction=reduction, axis_name=axis_name
     )
     fn = _shard_map(functools.partial(window, opt=opt), mesh, check_vma)
-    if axis_name is None and check_vma:
+    if axis_name == () and check_vma:
       continue  # Per-replica outputs cannot leave through out_specs=P().
     results[axis_name] = fn(params, opt.init(params), toy_lm.split(batch, k))
   assert toy_lm.rel_error(results["data"], whole) <= 1e-5
-  if None in results:  # Without axis_name each replica has its own window.
-    assert toy_lm.rel_error(results[None], whole) > 1e-2
+  if () in results:  # Independent replicas: each has its own window.
+    assert toy_lm.rel_error(results[()], whole) > 1e-2
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
@@ -259,6 +259,62 @@ def test_pmap_with_axis_name():
     params, opt.init(params), per_device
   )
   assert toy_lm.rel_error(jax.tree.map(lambda x: x[0], emitted), whole) <= 1e-5
+
+
+def _lm1b_train_step(opt):
+  """google/flax examples/lm1b's pmapped `train_step`, ported as its users
+  did: the gradients' `pmean` kept, each device's token count as `weight`."""
+
+  def train_step(state, batch):
+    grads, weight = jax.grad(toy_lm.mean_loss, has_aux=True)(state.params, batch)
+    if opt.axis_name is None:  # The original's line, kept by the port.
+      grads = jax.lax.pmean(grads, "batch")
+    return state.apply_gradients(grads=grads, weight=weight)
+
+  return jax.pmap(train_step, axis_name="batch")
+
+
+def _lm1b_run(opt, batches, k):
+  """Replicated params after `batches`, each fed as `k` per-device micro-batches."""
+  from optax_accum.flax import TrainState
+
+  params = toy_lm.init_params(seed=0)
+  state = TrainState.create(apply_fn=None, params=params, tx=opt)
+  state = jax.tree.map(lambda x: jnp.stack([x] * 8), state)  # One per device.
+  train_step = _lm1b_train_step(opt)
+  for batch in batches:
+    for micro_batch in toy_lm.split(batch, k):
+      rows = jax.tree.map(lambda x: x.reshape(8, -1, *x.shape[1:]), micro_batch)
+      state = train_step(state, rows)
+  return state.params
+
+
+def test_pmap_without_axis_name_is_refused_before_replicas_drift():
+  """Issue 49: lm1b's step without `axis_name` divided each device's window by
+  its own weight; after 6 updates the replicas differed by 1.8e-2."""
+  pytest.importorskip("flax")
+  opt = optax_accum.MultiSteps(optax.sgd(0.1), 2)
+  with pytest.raises(ValueError, match=r"\('batch',\).*axis_name='batch'.*pmean"):
+    _lm1b_run(opt, [_uneven_batch(seed=0)], k=2)
+
+
+def test_pmap_with_axis_name_keeps_replicas_equal_to_the_whole_batch():
+  pytest.importorskip("flax")
+  k, batches = 2, [_uneven_batch(seed=i) for i in range(3)]
+  opt = optax_accum.MultiSteps(_adamw(), k, axis_name="batch")
+  params = _lm1b_run(opt, batches, k)
+  whole, _, _ = toy_lm.whole_batch_run(toy_lm.init_params(seed=0), batches, _adamw())
+  for replica in range(8):
+    mine = jax.tree.map(lambda x, r=replica: x[r], params)
+    assert toy_lm.max_rel_diff(mine, whole) <= 1e-5
+
+
+def test_pmap_with_independent_replicas_on_purpose():
+  """`axis_name=()`: each replica its own window, as asked."""
+  pytest.importorskip("flax")
+  opt = optax_accum.MultiSteps(optax.sgd(0.1), 2, axis_name=())
+  params = jax.tree.leaves(_lm1b_run(opt, [_uneven_batch(seed=0)], k=2))[0]
+  assert not np.allclose(params[0], params[-1])
 
 
 def test_axis_name_outside_a_mesh_is_a_clear_error():

@@ -10,6 +10,7 @@ import inspect
 import pathlib
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -130,9 +131,12 @@ def test_linen_train_state_apply_gradients_takes_weight():
     grads, _ = jax.grad(loss_fn, has_aux=True)(linen.params, micro_batch)
     return linen.apply_gradients(grads=grads)
 
-  for batch in batches:
-    for micro_batch in micro_batches(batch):
-      linen = linen_step(linen, micro_batch)
+  # Issue 49, item 3: not silent; the warning names the fix.
+  fix = r"no `weight=`.*use optax_accum.flax.TrainState"
+  with pytest.warns(UserWarning, match=fix):
+    for batch in batches:
+      for micro_batch in micro_batches(batch):
+        linen = linen_step(linen, micro_batch)
   assert rel(linen.params, whole) > 1e-3
   assert int(linen.step) == K * UPDATES
 
@@ -157,6 +161,56 @@ def test_linen_train_state_refuses_what_would_be_silently_wrong():
   )
   with pytest.raises(ValueError, match=r"holds an optax_accum.MultiSteps"):
     plain.apply_gradients(grads=grads, weight=3)
+
+
+class _DropoutDense(nn.Module):
+  @nn.compact
+  def __call__(self, x, *, train):
+    return nn.Dropout(0.5, deterministic=not train)(nn.Dense(16)(x))
+
+
+@pytest.mark.parametrize("counter", ["micro_step", "step"])
+def test_linen_dropout_keys_from_micro_step_differ_within_a_window(counter):
+  """Issue 49, item 2: Flax's idiom `fold_in(dropout_rng, state.step)` gave
+  every micro-batch of a window the same key (`step` counts updates), so
+  same-shaped micro-batches drew the same masks; `micro_step` counts calls."""
+  model, x = _DropoutDense(), jnp.ones((4, 8))
+  params = model.init(jax.random.key(0), x, train=False)["params"]
+  state = optax_accum.flax.TrainState.create(
+    apply_fn=model.apply, params=params, tx=optax_accum.MultiSteps(optax.sgd(0.0), K)
+  )
+  dropout_rng = jax.random.key(1)
+
+  @jax.jit
+  def train_step(state, x):
+    key = jax.random.fold_in(dropout_rng, getattr(state, counter))
+
+    def loss(params):
+      out = state.apply_fn({"params": params}, x, train=True, rngs={"dropout": key})
+      return (out**2).mean(), out != 0
+
+    grads, mask = jax.grad(loss, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads, weight=x.shape[0]), mask
+
+  masks = []
+  for _ in range(2 * K):
+    state, mask = train_step(state, x)
+    masks.append(np.asarray(mask))
+  distinct = {m.tobytes() for m in masks}
+  assert int(state.step) == 2 and int(state.micro_step) == 2 * K
+  assert len(distinct) == (2 * K if counter == "micro_step" else 2)
+
+
+def test_nnx_optimizer_micro_step_counts_calls():
+  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  optimizer = optax_accum.flax.Optimizer(
+    model, optax_accum.MultiSteps(optax.sgd(0.1), K), wrt=nnx.Param
+  )
+  for call in range(K + 1):
+    assert int(optimizer.micro_step) == call
+    grads = nnx.grad(lambda m: (m(jnp.ones((3, 2))) ** 2).mean())(model)
+    optimizer.update(model, grads, weight=3)
+  assert int(optimizer.step) == 1
 
 
 # --- 2. The window's loss after the update (NNX, nnx.Optimizer) --------------------

@@ -733,7 +733,9 @@ class VariantsTest(chex.TestCase):
   def test_window_is_the_weighted_mean(self):
     if jax.device_count() < 2 and self.variant.type == chex.ChexVariantType.WITH_PMAP:
       self.skipTest("with_pmap needs more than one device")
-    opt = optax_accum.MultiSteps(optax.sgd(1.0), 3)
+    pmap = self.variant.type == chex.ChexVariantType.WITH_PMAP
+    # chex's pmap axis: every replica has the same micro-batches here.
+    opt = optax_accum.MultiSteps(optax.sgd(1.0), 3, axis_name="i" if pmap else None)
     step = self.variant(functools.partial(opt.update, params=None))
     state = opt.init(PARAMS)
     weights = [3.0, 1.0, 4.0]

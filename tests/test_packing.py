@@ -186,7 +186,9 @@ def _program(model, program):
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's figures")
-@pytest.mark.parametrize("program", ["accumulate", "update"])
+@pytest.mark.parametrize(
+  "program", ["accumulate", pytest.param("update", marks=pytest.mark.long)]
+)  # The update program's figures: 28 s of CPU, in the long run.
 def test_a_model_of_many_small_leaves_is_packed_by_default(program, monkeypatch):
   """400 leaves of 32x32: 13 buffers of sums in place of 400, in and out.
   The price: one more pass over the gradients (concatenated), and in the

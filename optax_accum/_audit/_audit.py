@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,11 +52,26 @@ from optax_accum._audit._terms import (
 from optax_accum._audit._verdicts import Evidence, verdicts
 from optax_accum._audit._windows import Windows, needs_probe, per_micro_step, windows
 from optax_accum._core import _checks
+from optax_accum._core._multi_steps import NO_WEIGHT
 from optax_accum._progress import split_micro_batches
 
 __all__ = ["Accumulation", "AuditReport", "Verdict", "audit"]
 
 
+def _without_weight_warnings(fn: Callable[..., AuditReport]) -> Any:
+  """``fn`` with :data:`NO_WEIGHT` warnings silenced: a loop without weights is
+  what the audit runs to find, and says so in its report."""
+
+  @functools.wraps(fn)
+  def quiet(*args: Any, **kwargs: Any) -> AuditReport:
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", message=NO_WEIGHT)
+      return fn(*args, **kwargs)
+
+  return quiet
+
+
+@_without_weight_warnings
 def audit(
   loss_fn: Callable[..., Any],
   optimizer: optax.GradientTransformation,

@@ -288,7 +288,7 @@ def _check_accumulator(
       f"`k`={k} but the {name} passed as `optimizer` ends windows every {size} "
       f"micro-batches: pass k={size}."
     )
-  if isinstance(acc, MultiSteps) and acc.axis_name is not None:
+  if isinstance(acc, MultiSteps) and _checks.axes(acc.axis_name):
     raise ValueError(
       f"The {name} passed as `optimizer` sums over axis {acc.axis_name!r}; the "
       "audit runs on one device: pass it without `axis_name`."

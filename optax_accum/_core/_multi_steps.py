@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -36,6 +37,9 @@ from optax_accum._core._transitions import (
   window_ends,
   window_of,
 )
+
+#: How the warning for an update without ``weight=`` starts (to filter it).
+NO_WEIGHT = "MultiSteps.update got no `weight=`"
 
 __all__ = [
   "WINDOW_MICRO_STEPS",
@@ -80,7 +84,8 @@ class MultiSteps:
 
   with the window's totals as extra arguments ``window_weight`` and
   ``window_micro_steps``; every other call returns exact zeros. Without
-  ``weight`` every micro-batch weighs 1, as in ``optax.MultiSteps``. What each
+  ``weight`` every micro-batch weighs 1, as in ``optax.MultiSteps``, and the
+  first such call warns once (``weight=1`` asks for it silently). What each
   kind of micro-batch (padding only, a bad weight, a non-finite gradient)
   does to the window is in ``docs/multi_steps.md``.
 
@@ -118,6 +123,9 @@ class MultiSteps:
       window's gradient is the token mean over all replicas. Not needed under
       ``jit`` with sharded arrays, where gradients are global (and
       :func:`make_train_step` sums them once per window on an Explicit mesh).
+      Under manual axes without it, a ``weight`` that may differ per replica
+      is a ``ValueError`` (the replicas would drift apart); ``()`` says they
+      are independent on purpose.
     on_nonfinite: What a non-finite (NaN or infinite) gradient or loss in a
       micro-batch with positive weight does: ``"skip_window"`` (default) drops
       its whole window atomically when the window ends; ``"skip_micro_batch"``
@@ -172,6 +180,23 @@ class MultiSteps:
       terms,
     )
     self._given_opt, self._opt = opt, optax.with_extra_args_support(opt)
+    self._warned = False
+
+  def _warn_unweighted(self) -> None:
+    """Says once per instance, when traced, that no weight means optax's mean."""
+    if self._warned or self.config.grad_reduction == "window_mean":
+      return
+    self._warned = True
+    warnings.warn(
+      f"{NO_WEIGHT}: every micro-batch weighs 1, so a window's gradient is the "
+      "uniform mean of micro-batch means (optax.MultiSteps' behaviour), not the "
+      "whole batch's token mean. Pass weight=<items behind this micro-batch's "
+      "loss>, or weight=1 to ask for the uniform mean. Flax's own "
+      "TrainState.apply_gradients cannot pass a weight: use "
+      "optax_accum.flax.TrainState.",
+      UserWarning,
+      stacklevel=3,
+    )
 
   def replace(self, **changes: Any) -> MultiSteps:
     """A copy with some constructor arguments changed (``opt=`` included).
@@ -278,7 +303,8 @@ class MultiSteps:
       state: The current state.
       params: Current params, forwarded to the inner optimizer.
       weight: Items (tokens, samples) behind ``updates``; a scalar, traced or
-        not. Defaults to 1. Required with ``terms`` and ``grad_reduction="sum"``.
+        not. Required with ``terms`` and ``grad_reduction="sum"``; left out,
+        1 (optax's uniform mean of micro-batch means), with a warning once.
       end_window: Optional bool scalar, traced or not: end the window with this
         micro-batch even if it holds fewer than ``k`` micro-batches.
       loss: Optional loss of the micro-batch, reduced like its gradient; the
@@ -286,13 +312,17 @@ class MultiSteps:
         optimizer gets that loss (:meth:`window_loss`) as the extra argument
         ``value`` (what ``optax.contrib.reduce_on_plateau`` reads), and
         ``last_window_loss`` keeps it after the window ends.
-      **extra_args: Forwarded to the inner optimizer's update.
+      **extra_args: Forwarded to the inner optimizer's update. A name close to
+        one of this method's own (``weights=``) is a ``ValueError``.
 
     Returns:
       The inner optimizer's updates on the call that ends a window with
       positive weight, exact zeros on every other call; and the new state.
     """
     check_extra_args(extra_args, loss)
+    if weight is None:
+      self._warn_unweighted()
+    _reduction.check_replicas(self.config.axis_name, weight)
     packing = _packing(state)
     reduction = _reduction.policy(self.config.axis_name)
     # Added as laid out: a packed state's groups in one pass each.

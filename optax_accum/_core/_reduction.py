@@ -58,6 +58,41 @@ def unreduced_axes(x: Any) -> frozenset[str]:
   return frozenset(getattr(spec, "unreduced", ()))
 
 
+def check_replicas(axis_name: AxisName | None, weight: Any) -> None:
+  """Refuses per-replica weights under manual axes that no ``axis_name`` names.
+
+  Under ``pmap`` or ``shard_map`` each replica adds its own micro-batches;
+  without ``axis_name`` each divides by its own window weight, so replicated
+  params drift apart even where the caller averaged the gradients. A weight
+  JAX types as the same on every replica (``shard_map``'s ``check_vma``) is
+  fine; under ``pmap`` JAX cannot tell, so any ``weight`` is refused there.
+  ``axis_name=()`` says the replicas are independent on purpose.
+
+  Raises:
+    ValueError: naming the manual axes and ``axis_name=``.
+  """
+  if axis_name is not None or weight is None:
+    return
+  manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+  if not manual:
+    return
+  typed = bool(varying_axes(jax.lax.axis_index(manual)))
+  weights = jax.tree.leaves(weight)
+  varying = frozenset().union(*map(varying_axes, weights)) if typed else set(manual)
+  if not varying:
+    return
+  named = manual[0] if len(manual) == 1 else manual
+  raise ValueError(
+    f"MultiSteps.update runs under the manual mesh axes {manual} (pmap or "
+    "shard_map) with a `weight` that can differ per replica, and without "
+    "`axis_name`: each replica would divide by its own window weight and the "
+    "replicated params would drift apart. Pass "
+    f"MultiSteps(..., axis_name={named!r}) and drop your own pmean/psum of the "
+    "gradients (the accumulator sums the weighted gradients over the axis "
+    "once), or axis_name=() if the replicas are independent on purpose."
+  )
+
+
 def _any_over(flag: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   if not axes:
     return jnp.asarray(flag)
@@ -307,6 +342,5 @@ def policy(axis_name: AxisName | None, at_window_end: bool = False) -> Local:
     >>> policy("data", at_window_end=True)
     Replicas(axes=('data',), at_window_end=True)
   """
-  if axis_name is None:
-    return Local()
-  return Replicas(axis_name, at_window_end)
+  axes = _checks.axes(axis_name)
+  return Replicas(axes, at_window_end) if axes else Local()

@@ -8,6 +8,7 @@ arithmetic of :mod:`optax_accum._core._window` plus the counters, the optional
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 import jax
@@ -301,7 +302,16 @@ def typed_like(x: Any, like: Any) -> jax.Array:
 
 
 def check_extra_args(extra_args: dict[str, Any], loss: Any) -> None:
-  """Raises ``ValueError`` for extra arguments the accumulator sets itself."""
+  """Raises ``ValueError`` for extra arguments the accumulator sets itself, or
+  that look like a typo of its own (the inner optimizer would ignore them)."""
+  for name in extra_args:
+    close = difflib.get_close_matches(name, ("weight", "loss", "end_window"), 1, 0.8)
+    if close:
+      raise ValueError(
+        f"`{name}=` is not an argument of MultiSteps.update: did you mean "
+        f"`{close[0]}=`? Other keyword arguments go to the inner optimizer, "
+        "which ignores names it does not take."
+      )
   for name in (WINDOW_WEIGHT, WINDOW_MICRO_STEPS):
     if name in extra_args:
       raise ValueError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 from flax.training import train_state
@@ -21,6 +22,7 @@ class TrainState(train_state.TrainState):
   ``weight=1`` asks for the uniform mean explicitly.
 
   ``step`` counts optimizer updates (windows), not calls: Linen's counts every
+  micro-batch. :attr:`micro_step` counts calls, for keys that differ per
   micro-batch. The state's ``opt_state`` holds the rest (see
   :func:`optax_accum.get_last_window`, :func:`optax_accum.get_update_count`).
 
@@ -37,6 +39,18 @@ class TrainState(train_state.TrainState):
     >>> float(state.params), int(state.step)  # -(1*1 + 3*3) / (1 + 3), 1 update
     (-2.5, 1)
   """
+
+  @property
+  def micro_step(self) -> jax.Array:
+    """Micro-batches this state has taken (``apply_gradients`` calls), int32.
+
+    The count to derive per-micro-batch keys from,
+    ``jax.random.fold_in(rng, state.micro_step)``: ``step`` is the same for
+    every micro-batch of a window, so keys from it repeat ``k`` times.
+    """
+    where = "optax_accum.flax.TrainState.micro_step"
+    state = check_accumulates(self.opt_state, where=where)
+    return jnp.asarray(state.micro_batches_seen)
 
   def apply_gradients(
     self,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.typing import ArrayLike
@@ -19,7 +20,8 @@ class Optimizer(nnx.Optimizer):
   explicitly) and applies the optimizer's update when the window ends.
 
   ``step`` counts optimizer updates (windows); ``nnx.Optimizer``'s counts
-  every call, so ``k`` times too many. With ``loss=``, the finished window's
+  every call, so ``k`` times too many. :attr:`micro_step` counts calls, for
+  keys that differ per micro-batch. With ``loss=``, the finished window's
   loss stays readable after the update:
   ``optax_accum.get_last_window(optimizer.opt_state)``.
 
@@ -39,6 +41,18 @@ class Optimizer(nnx.Optimizer):
   def __init__(self, model: Any, tx: Any, *, wrt: Any, **kwargs: Any):
     super().__init__(model, tx, wrt=wrt, **kwargs)
     check_accumulates(self.opt_state, where="optax_accum.flax.Optimizer")
+
+  @property
+  def micro_step(self) -> jax.Array:
+    """Micro-batches this optimizer has taken (``update`` calls), int32.
+
+    The count to derive per-micro-batch keys from,
+    ``jax.random.fold_in(rng, optimizer.micro_step)``: ``step`` is the same
+    for every micro-batch of a window.
+    """
+    where = "optax_accum.flax.Optimizer.micro_step"
+    state = check_accumulates(self.opt_state, where=where)
+    return jnp.asarray(state.micro_batches_seen)
 
   def update(
     self,

@@ -47,7 +47,7 @@ def get_update_count(opt_state: optax.OptState) -> jax.Array:
     >>> opt = optax_accum.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
     >>> state = opt.init(0.0)
     >>> for _ in range(5):
-    ...   _, state = opt.update(1.0, state)
+    ...   _, state = opt.update(1.0, state, weight=1)
     >>> int(optax_accum.get_update_count(state))
     2
   """
@@ -131,7 +131,7 @@ def schedule_free_eval_params(
     >>> params = jnp.zeros(())
     >>> state = opt.init(params)
     >>> for grad in [1.0, 1.0, 2.0, 2.0]:  # Two windows.
-    ...   updates, state = opt.update(jnp.array(grad), state, params)
+    ...   updates, state = opt.update(jnp.array(grad), state, params, weight=1)
     ...   params = optax.apply_updates(params, updates)
     >>> float(params), float(optax_accum.schedule_free_eval_params(state, params))
     (-2.5, -2.0)

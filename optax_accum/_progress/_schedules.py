@@ -179,7 +179,7 @@ def progress_schedule(
     ...     optax.inject_hyperparams(optax.sgd)(learning_rate=lr), every_k_schedule=3)
     >>> state = opt.init(0.0)
     >>> for _ in range(6):  # Two windows of three micro-steps: two updates.
-    ...   _, state = opt.update(1.0, state)
+    ...   _, state = opt.update(1.0, state, weight=1)
     >>> float(optax_accum.get_hyperparams(state)["learning_rate"])  # Update 1's.
     0.75
   """

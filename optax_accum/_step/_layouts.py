@@ -95,7 +95,7 @@ class Layouts:
         return params, opt_state, acc.packing
       return params, self.in_layout(opt_state, None), None
     mesh = mesh_of(params, batch)
-    if mesh is None and self.bodies.config.axis_name is None:
+    if mesh is None and not self._replica_axes:
       packing = acc.packing if isinstance(acc, Packed) else None
       return params, self.in_layout(opt_state, packing), packing
     if mesh is not None:
@@ -107,10 +107,10 @@ class Layouts:
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
   ) -> DataLayout | None:
     """The per-replica layout of a call on a mesh, if it has one."""
-    config = self.bodies.config
-    if config.axis_name is not None:
+    if self._replica_axes:
       scan = self.mode == "scan"
-      return data_layout(config.axis_name, params, batch, scan=scan)
+      named = self.bodies.config.axis_name or ()  # As the user wrote it.
+      return data_layout(named, params, batch, scan=scan)
     return self._deferred_layout(params, opt_state, batch, rng)
 
   def init_layout(self, params: Any) -> DataLayout | None:
@@ -123,8 +123,8 @@ class Layouts:
       return None
     config = self.bodies.config
     split = {a for p in jax.tree.leaves(params) for a in _split_over(p)}
-    if config.axis_name is not None:
-      axes = _checks.axes(config.axis_name)
+    if self._replica_axes:
+      axes = self._replica_axes
       return None if split & set(axes) else DataLayout(mesh, axes)
     if config.on_nonfinite == "skip_micro_batch":
       return None
@@ -142,7 +142,7 @@ class Layouts:
     has nothing to pack.)"""
     if is_traced(params, inner, batch):
       return True
-    return mesh_of(params, batch) is None and self.bodies.config.axis_name is None
+    return mesh_of(params, batch) is None and not self._replica_axes
 
   def restacked(self, given: Any, opt_state: MultiStepsState) -> MultiStepsState:
     """Traced: ``opt_state``'s one sum as the first replica's partial sum,
@@ -161,6 +161,11 @@ class Layouts:
 
     sums = jax.tree.map(stack, opt_state.acc_grads, given.sums)
     return opt_state._replace(acc_grads=PerReplica(sums, given.axes))
+
+  @property
+  def _replica_axes(self) -> tuple[str, ...]:
+    """The step's ``axis_name`` as a tuple (``()`` for none)."""
+    return _checks.axes(self.bodies.config.axis_name)
 
   def _accumulators(self, acc: Any) -> tuple[Any, ...]:
     """An accumulator (one sum or stacked), one per loss term."""

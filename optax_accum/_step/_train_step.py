@@ -21,6 +21,7 @@ from optax_accum._core._multi_steps import EveryKSchedule, MultiSteps, MultiStep
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import check_single_accumulation
 from optax_accum._core._transitions import with_window
+from optax_accum._step._explained import check_restored, check_state, explained
 from optax_accum._step._known import UNKNOWN, Known
 from optax_accum._step._layouts import Layout, Layouts, avals, is_traced
 from optax_accum._step._programs import (
@@ -76,16 +77,6 @@ def _unaliased(donated: Any, kept: Any) -> Any:
   return jax.tree.map(fresh, donated)
 
 
-def _check_state(opt_state: Any) -> None:
-  if not isinstance(opt_state, MultiStepsState):
-    raise ValueError(
-      "`opt_state` must come from step.init(params) (or optimizer.init(params) "
-      "of the optax_accum.MultiSteps given to make_train_step; in scan mode "
-      "also the inner optimizer's own tx.init(params)), got "
-      f"{type(opt_state).__module__}.{type(opt_state).__qualname__}."
-    )
-
-
 def _check_scan_end_window(end_window: Any) -> None:
   _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
   if is_traced(end_window) or bool(end_window):
@@ -128,13 +119,10 @@ class TrainStep:
     self.mode = mode
     self.has_aux = has_aux
     self.donate = donate
-    self._bodies = Bodies(
-      loss_fn, optimizer, has_aux, _reduction.policy(optimizer.config.axis_name)
-    )
-    bodies = self._bodies
-    self.update_program = Program(
-      bodies.updating(mode == "scan"), UPDATE_DONATES, donate
-    )
+    policy = _reduction.policy(optimizer.config.axis_name)
+    self._bodies = bodies = Bodies(loss_fn, optimizer, has_aux, policy)
+    updating = bodies.updating(mode == "scan")
+    self.update_program = Program(updating, UPDATE_DONATES, donate)
     self.accumulate_program = Program(bodies.accumulate, ACCUMULATE_DONATES, donate)
     update: Any = self.update_program
     if _two_programs(optimizer, mode):
@@ -147,6 +135,7 @@ class TrainStep:
     # state's structure and the counters of an empty window.
     self._empty: dict[Any, tuple[Any, MultiStepsState]] = {}
 
+  @explained
   def __call__(
     self,
     params: optax.Params,
@@ -158,7 +147,7 @@ class TrainStep:
   ) -> StepOutput:
     if self.mode == "scan":
       return self._whole_window(params, opt_state, batch, rng, end_window)
-    _check_state(opt_state)
+    check_state(opt_state)
     if end_window is not False:  # Checked on every micro-step, not only the last.
       _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
     counts = (opt_state.mini_step, opt_state.gradient_step, end_window)
@@ -199,6 +188,7 @@ class TrainStep:
   ) -> tuple[Any, Any, Metrics]:
     """Scan mode: a whole window; the optimizer's own state comes back as such."""
     _check_scan_end_window(end_window)
+    check_restored(opt_state)
     if isinstance(opt_state, MultiStepsState):
       return self._scanned(params, opt_state, batch, rng)
     params, state, layout = self._own_window(params, opt_state, batch, rng)
@@ -248,7 +238,7 @@ class TrainStep:
       self._empty[key] = jax.tree.structure(inner_shapes), empty
     expected, empty = self._empty[key]  # Counters: read, never donated.
     if jax.tree.structure(inner) != expected:
-      _check_state(inner)  # Raises: neither a MultiStepsState nor the inner one.
+      check_state(inner)  # Raises: neither a MultiStepsState nor the inner one.
     check_single_accumulation(inner)
     if not sums:
       return empty._replace(inner_opt_state=inner)

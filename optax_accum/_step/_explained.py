@@ -1,0 +1,96 @@
+"""Errors that name the cause when a train step is given what it cannot take.
+
+JAX's own message for each of these names none of the step's arguments: a
+buffer an earlier call donated ("Array has been deleted", "Buffer has been
+deleted or donated"), a whole train state passed as ``params`` ("grad requires
+real- or complex-valued inputs ... got int32"), or a checkpoint restored
+without a target (plain dicts where the step's state was). The checks run
+only once a call has failed, so a call that works pays nothing for them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+
+from optax_accum._core._state import MultiStepsState
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_DONATED = ("deleted", "donated")
+
+
+def explained(call: F) -> F:
+  """``call`` (a step's ``__call__``), raising a ``ValueError`` that names the
+  argument, the leaf and the fix where a failure has one of the known causes."""
+
+  @functools.wraps(call)
+  def checked(
+    self: Any, params: Any, opt_state: Any, batch: Any, *args: Any, **kw: Any
+  ) -> Any:
+    try:
+      return call(self, params, opt_state, batch, *args, **kw)
+    except (RuntimeError, TypeError, ValueError) as e:
+      check_not_a_train_state(params)
+      if any(word in str(e) for word in _DONATED):
+        check_not_donated(params=params, opt_state=opt_state, batch=batch)
+      raise
+
+  return checked  # type: ignore[return-value]
+
+
+def check_not_a_train_state(params: Any) -> None:
+  """``ValueError`` if ``params`` is a whole train state (Flax's ``TrainState``
+  or :class:`optax_accum.flax.TrainState`): it holds ``step`` and ``tx``."""
+  if all(hasattr(params, name) for name in ("params", "opt_state", "tx")):
+    raise ValueError(
+      f"`params` is a {type(params).__name__}, a whole train state (params, "
+      "opt_state, step, tx), not the params: call step(state.params, "
+      "opt_state, batch) with an opt_state from step.init(state.params), or "
+      "use the train state's own apply_gradients(grads=g, weight=n) "
+      "(optax_accum.flax.TrainState)."
+    )
+
+
+def check_not_donated(**trees: Any) -> None:
+  """``ValueError`` naming the first deleted leaf of ``trees`` (by argument)."""
+  for name, tree in trees.items():
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      if isinstance(leaf, jax.Array) and leaf.is_deleted():
+        raise ValueError(
+          f"`{name}` leaf {jax.tree_util.keystr(path)} was deleted: a step "
+          "donates its params and opt_state to the program they go into "
+          "(make_train_step(..., donate=True), the default), so an earlier "
+          "call's inputs are gone once it has run. Pass the params and "
+          "opt_state the last call returned, or build the step with "
+          "donate=False to keep its inputs (a copy a call)."
+        )
+
+
+def check_restored(opt_state: Any) -> None:
+  """``ValueError`` if ``opt_state`` is a dict with a :class:`MultiStepsState`'s
+  fields: a checkpoint restored without a target."""
+  if isinstance(opt_state, dict) and set(MultiStepsState._fields) <= set(opt_state):
+    raise ValueError(
+      "`opt_state` is a dict with the fields of a MultiStepsState: a checkpoint "
+      "restored without a target. Restore it against the state you started "
+      'from, ckpt.restore(path, {"params": params, "opt_state": '
+      "step.init(params), ...}), or against optax_accum.resume_target("
+      "step.init(params), saved) on other devices (docs/checkpointing.md)."
+    )
+
+
+def check_state(opt_state: Any) -> None:
+  """``ValueError`` unless ``opt_state`` is a :class:`MultiStepsState`."""
+  if isinstance(opt_state, MultiStepsState):
+    return
+  check_restored(opt_state)
+  raise ValueError(
+    "`opt_state` must come from step.init(params) (or optimizer.init(params) "
+    "of the optax_accum.MultiSteps given to make_train_step; in scan mode "
+    "also the inner optimizer's own tx.init(params)), got "
+    f"{type(opt_state).__module__}.{type(opt_state).__qualname__}."
+  )
