@@ -320,12 +320,12 @@ def test_model_shards_agree_on_what_to_skip(policy):
 
 
 def test_independent_per_device_windows_skip_independently():
-  """No axis_name: each device's window is its own, and so is its NaN."""
+  """`axis_name=()`: each device's window is its own, and so is its NaN."""
   if jax.device_count() < 4:
     pytest.skip("needs 4 devices")
   spec = jax.sharding.PartitionSpec("d")
   mesh = jax.make_mesh((4,), ("d",), axis_types=(AUTO,))
-  opt = optax_accum.MultiSteps(optax.sgd(1.0), 2)
+  opt = optax_accum.MultiSteps(optax.sgd(1.0), 2, axis_name=())
 
   def window(grads, weights):
     state = opt.init({"w": jnp.zeros(3)})

@@ -51,27 +51,31 @@ from optax_accum._audit._terms import (
 )
 from optax_accum._audit._verdicts import Evidence, verdicts
 from optax_accum._audit._windows import Windows, needs_probe, per_micro_step, windows
-from optax_accum._core import _checks
+from optax_accum._core import _backend, _checks
 from optax_accum._core._multi_steps import NO_WEIGHT
 from optax_accum._progress import split_micro_batches
+from optax_accum._step._signature import compiled_with
 
 __all__ = ["Accumulation", "AuditReport", "Verdict", "audit"]
 
 
-def _without_weight_warnings(fn: Callable[..., AuditReport]) -> Any:
-  """``fn`` with :data:`NO_WEIGHT` warnings silenced: a loop without weights is
-  what the audit runs to find, and says so in its report."""
+def _as_audited(fn: Callable[..., AuditReport]) -> Any:
+  """``fn`` with :data:`NO_WEIGHT` warnings silenced (a loop without weights is
+  what the audit runs to find, and says so in its report), and the programs
+  it builds compiled quickly where the backend says how (their run time on
+  a few batches is nothing beside their compile time)."""
 
   @functools.wraps(fn)
-  def quiet(*args: Any, **kwargs: Any) -> AuditReport:
-    with warnings.catch_warnings():
+  def audited(*args: Any, **kwargs: Any) -> AuditReport:
+    quick = _backend.of(jax.default_backend()).quick_compile
+    with warnings.catch_warnings(), compiled_with(quick):
       warnings.filterwarnings("ignore", message=NO_WEIGHT)
       return fn(*args, **kwargs)
 
-  return quiet
+  return audited
 
 
-@_without_weight_warnings
+@_as_audited
 def audit(
   loss_fn: Callable[..., Any],
   optimizer: optax.GradientTransformation,

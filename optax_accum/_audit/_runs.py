@@ -12,13 +12,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_accum._step._signature import compiler_options
+
 Path = tuple[str, ...]
 GradFn = Callable[[Any, Any], tuple[Any, jax.Array]]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _compiled_call(fn: Callable[..., Any], static: Any, *args: Any) -> Any:
+def _call(fn: Callable[..., Any], static: Any, *args: Any) -> Any:
   return fn(static, *args)
+
+
+@functools.cache
+def _jitted_call(options: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
+  """``_call`` jitted with XLA ``options``: one cache for every audit."""
+  return jax.jit(_call, static_argnums=(0, 1), compiler_options=dict(options) or None)
 
 
 def compiled(fn: Callable[..., Any], static: Any) -> Callable[..., Any]:
@@ -29,11 +36,13 @@ def compiled(fn: Callable[..., Any], static: Any) -> Callable[..., Any]:
   quicker than the many small programs ``fn`` compiles op by op outside
   ``jit``.
   """
+  options = compiler_options()
   try:
     hash(static)
   except TypeError:
-    return jax.jit(functools.partial(fn, static))
-  return functools.partial(_compiled_call, fn, static)
+    return jax.jit(functools.partial(fn, static), compiler_options=options)
+  call = _jitted_call(tuple(sorted((options or {}).items())))
+  return functools.partial(call, fn, static)
 
 
 def _grad(loss: Callable[..., Any], params: Any, batch: Any) -> tuple[Any, jax.Array]:
