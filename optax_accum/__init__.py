@@ -23,7 +23,7 @@ from optax_accum._progress import (
   schedule_free_eval_params,
   split_micro_batches,
 )
-from optax_accum._step import TrainStep, make_train_step
+from optax_accum._step import CoupledLoss, TrainStep, make_train_step
 
 __version__ = "0.1.0"
 
@@ -31,6 +31,7 @@ __all__ = (
   "WINDOW_MICRO_STEPS",
   "WINDOW_WEIGHT",
   "AuditReport",
+  "CoupledLoss",
   "MicroBatchPlan",
   "MultiSteps",
   "MultiStepsConfig",

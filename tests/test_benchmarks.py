@@ -80,7 +80,7 @@ def test_the_floor_is_its_fastest_candidate_by_median_with_its_rounds():
   assert accumulation.floor_of(t, 4)[0] == "separate loops"
 
 
-@pytest.mark.slow
+@pytest.mark.long  # 18 s of CPU; test_explicit_mesh.py counts the reductions too.
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 def test_data_parallel_benchmark_counts_one_reduction_per_window(tmp_path):
   """On the 8 test devices: the bytes reduced per window, from the HLO."""

@@ -60,3 +60,13 @@ def test_lm_finetune_check_fails_when_a_leaf_with_a_gradient_differs(capsys):
   assert not example.check(wrong_w, [2.0], reference, [2.0], grad_norms)
   assert not example.check(reference, [2.0], reference, [2.001], grad_norms)
   assert capsys.readouterr().out.count("same training: NO") == 2
+
+
+def test_coupled_losses_train_as_the_whole_batch_does(capsys):
+  """Issue 50's recipes: after AdamW updates, the two-pass window's params are
+  the whole-batch run's (float32 rounding), the per-micro-batch loss's not."""
+  results = _load(EXAMPLES / "coupled_losses.py").main(["--windows", "2", "--k", "4"])
+  for name, r in results.items():
+    assert r["two-pass window"] <= 1e-5, (name, r)
+    assert r["per micro-batch"] > 100 * r["two-pass window"], (name, r)
+  assert "two-pass window" in capsys.readouterr().out

@@ -54,7 +54,6 @@ from optax_accum._audit._windows import Windows, needs_probe, per_micro_step, wi
 from optax_accum._core import _backend, _checks
 from optax_accum._core._multi_steps import NO_WEIGHT
 from optax_accum._progress import split_micro_batches
-from optax_accum._step._signature import compiled_with
 
 __all__ = ["Accumulation", "AuditReport", "Verdict", "audit"]
 
@@ -68,7 +67,7 @@ def _as_audited(fn: Callable[..., AuditReport]) -> Any:
   @functools.wraps(fn)
   def audited(*args: Any, **kwargs: Any) -> AuditReport:
     quick = _backend.of(jax.default_backend()).quick_compile
-    with warnings.catch_warnings(), compiled_with(quick):
+    with warnings.catch_warnings(), _backend.compiled_with(quick):
       warnings.filterwarnings("ignore", message=NO_WEIGHT)
       return fn(*args, **kwargs)
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum._step._signature import compiler_options
+from optax_accum._core._backend import compiler_options
 
 Path = tuple[str, ...]
 GradFn = Callable[[Any, Any], tuple[Any, jax.Array]]

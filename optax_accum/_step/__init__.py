@@ -3,6 +3,7 @@
 The wings above import only these names.
 """
 
+from optax_accum._step._coupled import CoupledLoss
 from optax_accum._step._train_step import Mode, TrainStep, make_train_step
 
-__all__ = ("Mode", "TrainStep", "make_train_step")
+__all__ = ("CoupledLoss", "Mode", "TrainStep", "make_train_step")

@@ -7,33 +7,12 @@ accumulator (one sum, packed, per replica, deferred) maps :class:`Inputs` to
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 
-#: XLA options for the programs built in :func:`compiled_with`'s block.
-_OPTIONS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
-  "compiler_options", default=None
-)
-
-
-@contextlib.contextmanager
-def compiled_with(options: dict[str, Any] | None) -> Iterator[None]:
-  """Programs built within the block compile with XLA ``options`` (the
-  audit's train steps: see ``Backend.quick_compile``)."""
-  token = _OPTIONS.set(options)
-  try:
-    yield
-  finally:
-    _OPTIONS.reset(token)
-
-
-def compiler_options() -> dict[str, Any] | None:
-  """The options of the enclosing :func:`compiled_with` block, if any."""
-  return _OPTIONS.get()
+from optax_accum._core._backend import compiler_options
 
 
 class Inputs(NamedTuple):

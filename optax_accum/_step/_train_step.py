@@ -21,6 +21,12 @@ from optax_accum._core._multi_steps import EveryKSchedule, MultiSteps, MultiStep
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import check_single_accumulation
 from optax_accum._core._transitions import with_window
+from optax_accum._step._coupled import (
+  CoupledLoss,
+  CoupledStep,
+  coupled_optimizer,
+  surrogate,
+)
 from optax_accum._step._explained import check_restored, check_state, explained
 from optax_accum._step._known import UNKNOWN, Known
 from optax_accum._step._layouts import Layout, Layouts, avals, is_traced
@@ -424,8 +430,31 @@ def _accumulator(
   return MultiSteps(optimizer, every_k_schedule)
 
 
+def _coupled_step(
+  coupled: CoupledLoss,
+  optimizer: Any,
+  mode: Mode,
+  has_aux: bool,
+  donate: bool,
+  axis: Any,
+) -> CoupledStep:
+  """The step for a :class:`CoupledLoss`: scan mode, pass 1 then the window."""
+  if mode != "scan" or has_aux or axis is not None:
+    raise ValueError(
+      "A CoupledLoss needs the whole window before any gradient: "
+      "make_train_step(coupled, optimizer, mode='scan') with a window of "
+      "micro-batches per call (split_micro_batches), without has_aux or axis_name."
+    )
+  optimizer = coupled_optimizer(coupled, _accumulator(optimizer, mode, None))
+
+  def inner(k: int) -> TrainStep:
+    return TrainStep(surrogate(coupled, k), optimizer, mode, False, donate)
+
+  return CoupledStep(coupled, inner)
+
+
 def make_train_step(
-  loss_fn: Callable[..., Any],
+  loss_fn: Callable[..., Any] | CoupledLoss,
   optimizer: MultiSteps | optax.GradientTransformation,
   *,
   mode: Mode = "stream",
@@ -433,7 +462,7 @@ def make_train_step(
   donate: bool = True,
   axis_name: AxisName | None = None,
   every_k_schedule: EveryKSchedule | None = None,
-) -> TrainStep:
+) -> TrainStep | CoupledStep:
   """Builds a jitted train step that accumulates and always applies its update.
 
   ``step(params, opt_state, batch, rng=None, *, end_window=False) -> (params,
@@ -469,6 +498,8 @@ def make_train_step(
     loss_fn: ``loss_fn(params, batch) -> (loss, weight)``, or ``(loss, (weight,
       aux))`` with ``has_aux=True``; with an ``rng`` passed to the step it is
       called as ``loss_fn(params, batch, key)`` with a key per micro-batch.
+      Or a :class:`CoupledLoss`, a loss that couples the window's
+      micro-batches (scan mode; ``docs/coupled.md``).
       ``loss`` is reduced as the optimizer's ``grad_reduction`` says (mean or
       sum over the micro-batch's ``weight`` items).
     optimizer: An :class:`optax_accum.MultiSteps`, or a plain optax
@@ -522,6 +553,8 @@ def make_train_step(
     >>> float(params), int(metrics["update_count"])
     (2.3333..., 1)
   """
+  if isinstance(loss_fn, CoupledLoss):
+    return _coupled_step(loss_fn, optimizer, mode, has_aux, donate, axis_name)
   optimizer = _accumulator(optimizer, mode, every_k_schedule)
   if axis_name is not None:
     if optimizer.axis_name not in (None, axis_name):

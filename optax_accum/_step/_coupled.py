@@ -1,0 +1,215 @@
+"""Losses that couple a window's micro-batches, made exact in two passes.
+
+A contrastive loss uses every example of the batch as a negative of every
+other; a mixture-of-experts balance loss takes its expert fractions over the
+whole batch. Neither is a sum over micro-batches, so accumulating it per
+micro-batch trains another objective. With :class:`CoupledLoss` the step runs
+a window in two passes (Gradient Cache, Gao et al. 2021):
+
+1. forward only, micro-batch by micro-batch: each one's representations
+   ``z_i = represent(params, b_i)``; then the window loss ``L`` over all of
+   them at once, and its gradient ``c_i = dL/dz_i`` for each micro-batch;
+2. micro-batch by micro-batch again, the parameter gradient of ``<c_i,
+   represent(params, b_i)>``, the vector-Jacobian product of ``z_i`` with
+   ``c_i``; summed over the window it is ``dL/dparams``, exactly.
+
+Pass 2 is the ordinary scan-mode window of :class:`MultiSteps` on a loss whose
+gradient is that product (its value is ``L``), as the loss term ``"window"``,
+beside the per-example ``loss_fn`` as the term ``"examples"``: weights,
+schedules, non-finite skipping and checkpoints work as for any window. It
+costs one more forward per micro-batch; it keeps the window's
+representations and their cotangents, and one micro-batch's activations.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from optax_accum._core._multi_steps import MultiSteps, MultiStepsState
+
+
+class CoupledLoss(NamedTuple):
+  """A loss over the whole window's representations, for :func:`make_train_step`.
+
+  Attributes:
+    represent: ``represent(params, micro_batch) -> z``, the micro-batch's
+      representations (a tree of arrays, rows first): embeddings, router
+      probabilities. With an ``rng`` passed to the step,
+      ``represent(params, micro_batch, key)``.
+    window_loss: ``window_loss(z, batch) -> (loss, weight)``: the loss over the
+      window's representations and rows (the micro-batches' rows joined, in
+      order, as one batch) and the number of items it averages over. On the
+      whole batch, ``window_loss(represent(params, batch), batch)`` is the
+      objective the window's gradient is exactly that of.
+    loss_fn: Optional per-example loss beside it, ``loss_fn(params,
+      micro_batch) -> (loss, weight)`` as :func:`make_train_step` takes; its
+      window mean is added to ``L``, each with its own weight.
+  """
+
+  represent: Callable[..., Any]
+  window_loss: Callable[[Any, Any], tuple[Any, Any]]
+  loss_fn: Callable[..., Any] | None = None
+
+  @property
+  def terms(self) -> tuple[str, ...]:
+    """The loss terms of the step's window: ``"window"``, and ``"examples"``
+    with a ``loss_fn``."""
+    return ("window",) if self.loss_fn is None else ("window", "examples")
+
+  def whole_batch(self, params: Any, batch: Any) -> jax.Array:
+    """The objective on ``batch`` in one piece: the oracle a window equals."""
+    loss, _ = self.window_loss(self.represent(params, batch), batch)
+    if self.loss_fn is not None:
+      loss = loss + self.loss_fn(params, batch)[0]
+    return loss
+
+
+def _on_a_mesh(x: Any) -> bool:
+  sharding = jax.typeof(x).sharding
+  return isinstance(sharding, NamedSharding) and not sharding.mesh.empty
+
+
+def _joined(tree: Any) -> Any:
+  """A window's leaves ``(k, rows, ...)`` as one batch ``(k * rows, ...)``; on
+  a mesh gathered, so that the window loss sees every row on every device."""
+
+  def join(x: Any) -> Any:
+    shape = (x.shape[0] * x.shape[1], *x.shape[2:])
+    return jnp.reshape(x, shape, out_sharding=P() if _on_a_mesh(x) else None)
+
+  return jax.tree.map(join, tree)
+
+
+def _split_like(joined: Any, z: Any) -> Any:
+  """``joined`` cut back into ``z``'s micro-batches, placed as ``z`` is."""
+  out = joined.reshape(z.shape)
+  return jax.sharding.reshard(out, jax.typeof(z).sharding) if _on_a_mesh(z) else out
+
+
+def cotangents(
+  coupled: CoupledLoss, params: Any, window: Any, keys: Any = None
+) -> dict[str, Any]:
+  """Pass 1: each micro-batch's representations' cotangent ``dL/dz_i``, and
+  ``L`` and its weight, broadcast along the window's micro-batch axis."""
+
+  def represent(args: Any) -> Any:
+    return coupled.represent(params, *args)
+
+  z = jax.lax.map(represent, (window,) if keys is None else (window, keys))
+
+  def window_loss(z_joined: Any) -> tuple[jax.Array, jax.Array]:
+    return coupled.window_loss(z_joined, _joined(window))
+
+  (loss, weight), joined = jax.value_and_grad(window_loss, has_aux=True)(_joined(z))
+  k = jax.tree.leaves(window)[0].shape[0]
+  return {
+    "cotangent": jax.tree.map(_split_like, joined, z),
+    "loss": jnp.broadcast_to(loss, (k,)),
+    "weight": jnp.broadcast_to(jnp.asarray(weight, jnp.result_type(loss)), (k,)),
+  }
+
+
+def surrogate(coupled: CoupledLoss, k: int) -> Callable[..., Any]:
+  """Pass 2's loss of one micro-batch ``{"batch", "cotangent", "loss",
+  "weight"}``: by term, ``"window"`` with value ``L``, weight ``W / k`` and
+  gradient ``k`` times the vector-Jacobian product, so that the window's
+  token-weighted mean of the ``k`` gradients is their sum, ``dL/dparams``."""
+
+  def loss_fn(params: Any, micro: Any, *key: Any) -> Any:
+    z = coupled.represent(params, micro["batch"], *key)
+    products = jax.tree.map(lambda c, zi: jnp.sum(c * zi), micro["cotangent"], z)
+    dot = sum(jax.tree.leaves(products))
+    value = jax.lax.stop_gradient(micro["loss"]) + k * (
+      dot - jax.lax.stop_gradient(dot)
+    )
+    terms = {"window": (value, micro["weight"] / k)}
+    if coupled.loss_fn is not None:
+      terms["examples"] = coupled.loss_fn(params, micro["batch"], *key)
+    return terms
+
+  return loss_fn
+
+
+def coupled_optimizer(coupled: CoupledLoss, optimizer: MultiSteps) -> MultiSteps:
+  """``optimizer`` with the coupled window's loss terms; ``ValueError`` where
+  it cannot take them."""
+  config = optimizer.config
+  if config.terms not in (None, coupled.terms):
+    raise ValueError(
+      f"A CoupledLoss sets the loss terms itself, {coupled.terms}: build the "
+      f"MultiSteps without terms= (it has {config.terms})."
+    )
+  if config.grad_reduction != "mean" or config.on_nonfinite != "skip_window":
+    raise ValueError(
+      "A CoupledLoss needs grad_reduction='mean' and on_nonfinite='skip_window': "
+      "every micro-batch's gradient depends on the whole window, so none can be "
+      "summed or dropped alone."
+    )
+  if config.axis_name is not None:
+    raise ValueError(
+      "A CoupledLoss runs under plain jit, where the window's representations "
+      "are global on any mesh: drop axis_name."
+    )
+  return optimizer.replace(terms=coupled.terms)
+
+
+class CoupledStep:
+  """A scan-mode train step on a :class:`CoupledLoss`: pass 1, then the
+  window of ``inner`` (a :class:`~optax_accum._step._train_step.TrainStep` on
+  the surrogate loss, ``window`` dicts by micro-batch)."""
+
+  def __init__(self, coupled: CoupledLoss, make_inner: Callable[[int], Any]):
+    self.coupled = coupled
+    self._make_inner = make_inner
+    self._inner: dict[int, Any] = {}
+    self._pass1 = jax.jit(cotangents, static_argnums=0)
+
+  def inner(self, k: int) -> Any:
+    """The step for windows of ``k`` micro-batches."""
+    if k not in self._inner:
+      self._inner[k] = self._make_inner(k)
+    return self._inner[k]
+
+  @property
+  def optimizer(self) -> MultiSteps:
+    return self.inner(1).optimizer
+
+  def init(self, params: optax.Params) -> MultiStepsState:
+    return self.inner(1).init(params)
+
+  def _keys(self, opt_state: Any, k: int, rng: Any) -> Any:
+    """The keys pass 2 gives the window's micro-batches, for pass 1 too."""
+    if rng is None:
+      return None
+    seen = getattr(opt_state, "micro_batches_seen", 0)
+    return jax.vmap(lambda i: jax.random.fold_in(rng, seen + i))(jnp.arange(k))
+
+  def __call__(
+    self, params: Any, opt_state: Any, batch: Any, rng: Any = None, **kwargs: Any
+  ) -> tuple[Any, Any, Any]:
+    k = jax.tree.leaves(batch)[0].shape[0]
+    keys = self._keys(opt_state, k, rng)
+    first = self._pass1(self.coupled, params, batch, keys)
+    window = {"batch": batch, **first}
+    return self.inner(k)(params, opt_state, window, rng, **kwargs)
+
+  def lower(
+    self, params: Any, opt_state: Any, batch: Any, rng: Any = None
+  ) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
+    """Pass 1's program and the window's, lowered (for XLA's figures)."""
+    k = jax.tree.leaves(batch)[0].shape[0]
+    keys = self._keys(opt_state, k, rng)
+    first = self._pass1.lower(self.coupled, params, batch, keys)
+    shapes = jax.eval_shape(
+      functools.partial(cotangents, self.coupled), params, batch, keys
+    )
+    window = {"batch": batch, **shapes}
+    return first, self.inner(k).lower(params, opt_state, window, rng)

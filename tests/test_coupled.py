@@ -1,0 +1,252 @@
+"""Issue 50: losses that couple the window's micro-batches, exact in two passes.
+
+The oracle is the whole batch: a symmetric InfoNCE loss (CLIP) and a
+Switch-style balance loss over the window equal their whole-batch gradients,
+float32 and float64, for k = 2, 4, 8 and micro-batches of uneven valid rows;
+the per-micro-batch losses every trainer computes today are measured beside.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_accum
+
+ROWS, IMAGE, TEXT, DIM = 32, 6, 5, 4
+
+
+def _clip_params(dtype):
+  rng = np.random.default_rng(0)
+  return {
+    "image": jnp.asarray(rng.normal(size=(IMAGE, DIM)), dtype),
+    "text": jnp.asarray(rng.normal(size=(TEXT, DIM)), dtype),
+    "scale": jnp.asarray(1.5, dtype),
+  }
+
+
+def _clip_batch(dtype, seed=0):
+  """Pairs, a fifth of them padding: micro-batches hold uneven valid rows."""
+  rng = np.random.default_rng(seed)
+  return {
+    "image": jnp.asarray(rng.normal(size=(ROWS, IMAGE)), dtype),
+    "text": jnp.asarray(rng.normal(size=(ROWS, TEXT)), dtype),
+    "mask": jnp.asarray(rng.random(ROWS) < 0.8, dtype),
+  }
+
+
+def _unit(x):
+  return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def clip_represent(params, batch):
+  return {
+    "image": _unit(jnp.tanh(batch["image"] @ params["image"])),
+    "text": _unit(jnp.tanh(batch["text"] @ params["text"])),
+    "scale": jnp.broadcast_to(params["scale"], batch["mask"].shape),
+  }
+
+
+def info_nce(z, batch):
+  """Symmetric InfoNCE over the valid pairs, their mean, and their count."""
+  mask = batch["mask"]
+  logits = jnp.exp(z["scale"][0]) * z["image"] @ z["text"].T
+  logits = jnp.where(mask[None, :] > 0, logits, -1e9)  # Padding is no negative.
+  labels = jnp.arange(mask.shape[0])
+  i2t = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  t2i = optax.softmax_cross_entropy_with_integer_labels(
+    jnp.where(mask[:, None] > 0, logits, -1e9).T, labels
+  )
+  n = mask.sum()
+  return ((i2t + t2i) / 2 * mask).sum() / jnp.maximum(n, 1), n
+
+
+CLIP = optax_accum.CoupledLoss(clip_represent, info_nce)
+
+
+def _window_gradient(coupled, params, batch, k):
+  """The gradient the step applies (SGD at rate 1: params moved by it)."""
+  step = optax_accum.make_train_step(coupled, optax.sgd(1.0), mode="scan")
+  window = optax_accum.split_micro_batches(batch, k)
+  moved, _, metrics = step(jax.tree.map(jnp.copy, params), step.init(params), window)
+  return jax.tree.map(jnp.subtract, params, moved), metrics
+
+
+def _rel(a, b):
+  diff = optax.tree.norm(jax.tree.map(jnp.subtract, a, b))
+  return float(diff / optax.tree.norm(b))
+
+
+def _naive_gradient(coupled, params, batch, k):
+  """Every trainer's accumulation today: the loss per micro-batch, its
+  gradients weighted by the valid rows."""
+  grads, weights, grad = [], [], jax.jit(jax.grad(coupled.whole_batch))
+  for i in range(k):
+    micro = jax.tree.map(lambda x, i=i: x[i::k], batch)
+    grads.append(grad(params, micro))
+    weights.append(float(micro["mask"].sum()))
+  total = sum(weights)
+  return jax.tree.map(
+    lambda *g: sum(w * x for w, x in zip(weights, g, strict=True)) / total, *grads
+  )
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["float32", "float64"])
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_info_nce_over_the_window_is_the_whole_batch_gradient(k, x64):
+  with jax.enable_x64(x64):
+    dtype = jnp.float64 if x64 else jnp.float32
+    params, batch = _clip_params(dtype), _clip_batch(dtype)
+    whole = jax.grad(CLIP.whole_batch)(params, batch)
+    window, metrics = _window_gradient(CLIP, params, batch, k)
+    assert _rel(window, whole) <= (1e-12 if x64 else 1e-5)
+    loss, n = info_nce(clip_represent(params, batch), batch)
+    np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
+    np.testing.assert_allclose(metrics["weight"], n)
+    # Per micro-batch, each row sees its micro-batch's rows only as negatives.
+    assert _rel(_naive_gradient(CLIP, params, batch, k), whole) > 1e-2
+
+
+# --- a mixture of experts with the Switch balance loss over the window ------------
+
+EXPERTS, TOKENS, WIDTH = 4, 6, 5
+
+
+def _moe_params(dtype):
+  rng = np.random.default_rng(1)
+  return {
+    "router": jnp.asarray(rng.normal(size=(WIDTH, EXPERTS)), dtype),
+    "experts": jnp.asarray(rng.normal(size=(EXPERTS, WIDTH)) / WIDTH, dtype),
+  }
+
+
+def _moe_batch(dtype, rows=16, seed=2):
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(1, TOKENS + 1, (rows, 1))
+  return {
+    "x": jnp.asarray(rng.normal(size=(rows, TOKENS, WIDTH)), dtype),
+    "y": jnp.asarray(rng.normal(size=(rows, TOKENS)), dtype),
+    "mask": jnp.asarray(np.arange(TOKENS) < lengths, dtype),
+  }
+
+
+def router_probs(params, batch):
+  return jax.nn.softmax(batch["x"] @ params["router"], axis=-1)
+
+
+def switch_balance(probs, batch):
+  """`E * sum_i f_i P_i` over the valid tokens: f_i the fraction routed to
+  expert i (a constant for the gradient), P_i the mean router probability."""
+  mask = batch["mask"][..., None]
+  n = batch["mask"].sum()
+  top = jax.nn.one_hot(jnp.argmax(probs, axis=-1), EXPERTS, dtype=probs.dtype)
+  f = jax.lax.stop_gradient((top * mask).sum((0, 1)) / n)
+  p = (probs * mask).sum((0, 1)) / n
+  return 0.1 * EXPERTS * (f * p).sum(), n
+
+
+def moe_loss(params, batch):
+  """The model's own loss: top-1 expert's output against the target, a mean
+  over the valid tokens."""
+  probs = router_probs(params, batch)
+  pick = jax.nn.one_hot(jnp.argmax(probs, -1), EXPERTS, dtype=probs.dtype)
+  out = jnp.einsum("rte,ew,rtw->rt", pick * probs, params["experts"], batch["x"])
+  n = batch["mask"].sum()
+  return (((out - batch["y"]) ** 2) * batch["mask"]).sum() / n, n
+
+
+MOE = optax_accum.CoupledLoss(router_probs, switch_balance, loss_fn=moe_loss)
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["float32", "float64"])
+@pytest.mark.parametrize("k", [2, 4])
+def test_switch_balance_over_the_window_is_the_whole_batch_gradient(k, x64):
+  with jax.enable_x64(x64):
+    dtype = jnp.float64 if x64 else jnp.float32
+    params, batch = _moe_params(dtype), _moe_batch(dtype)
+    whole = jax.grad(MOE.whole_batch)(params, batch)
+    window, metrics = _window_gradient(MOE, params, batch, k)
+    assert _rel(window, whole) <= (1e-12 if x64 else 1e-5)
+    assert set(metrics["terms"]) == {"window", "examples"}
+    # Per micro-batch: f from one micro-batch's tokens, P from the window's.
+    assert _rel(_naive_gradient(MOE, params, batch, k), whole) > 1e-3
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+def test_info_nce_on_an_explicit_mesh_gathers_the_window():
+  """Rows split over 8 devices: each device's micro-batch rows alone would
+  see 1/8 of the negatives; the window loss sees the gathered window."""
+  mesh = jax.make_mesh((8,), ("data",))
+  params, batch = _clip_params(jnp.float32), _clip_batch(jnp.float32)
+  whole = jax.grad(CLIP.whole_batch)(params, batch)
+  with jax.set_mesh(mesh):
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    window, _ = _window_gradient(CLIP, params, batch, 2)
+  assert _rel(jax.device_get(window), whole) <= 1e-5
+
+
+# --- cost: XLA's figures ------------------------------------------------------------
+
+
+def _towers(width=128, depth=2, rows=32, dim=32):
+  """Two MLP towers large enough that they, not the toy loss, set the cost."""
+  rng = np.random.default_rng(3)
+
+  def tower():
+    shapes = [(width, width)] * depth + [(width, dim)]
+    return [jnp.asarray(rng.normal(size=s) / width**0.5, jnp.float32) for s in shapes]
+
+  params = {"image": tower(), "text": tower(), "scale": jnp.float32(1.0)}
+  batch = {
+    "image": jnp.asarray(rng.normal(size=(rows, width)), jnp.float32),
+    "text": jnp.asarray(rng.normal(size=(rows, width)), jnp.float32),
+    "mask": jnp.ones(rows, jnp.float32),
+  }
+
+  def run(ws, x):
+    for w in ws[:-1]:
+      x = jax.nn.gelu(x @ w)
+    return _unit(x @ ws[-1])
+
+  def represent(params, batch):
+    return {
+      "image": run(params["image"], batch["image"]),
+      "text": run(params["text"], batch["text"]),
+      "scale": jnp.broadcast_to(params["scale"], batch["mask"].shape),
+    }
+
+  return optax_accum.CoupledLoss(represent, info_nce), params, batch
+
+
+def _figures(lowered):
+  compiled = lowered.compile()
+  return compiled.cost_analysis()[
+    "flops"
+  ], compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_two_passes_cost_one_forward_more_and_the_representations():
+  """Issue 50's bounds: the two passes at most 1.4x plain accumulation's FLOPs
+  (one forward more: 4/3 of forward and backward), and no more scratch than
+  the plain step's plus the window's representations and cotangents. (XLA
+  counts a loop's body once, in both.)"""
+  coupled, params, batch = _towers()
+  window = optax_accum.split_micro_batches(batch, 4)
+  step = optax_accum.make_train_step(coupled, optax.adamw(1e-3), mode="scan")
+  first, second = map(_figures, step.lower(params, step.init(params), window))
+
+  def per_micro_batch(params, batch):
+    return coupled.whole_batch(params, batch), batch["mask"].sum()
+
+  plain_step = optax_accum.make_train_step(
+    per_micro_batch, optax.adamw(1e-3), mode="scan"
+  )
+  plain = _figures(plain_step.lower(params, plain_step.init(params), window))
+  assert first[0] + second[0] <= 1.4 * plain[0], (first, second, plain)
+  z = jax.eval_shape(coupled.represent, params, batch)
+  z_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(z))
+  assert max(first[1], second[1]) <= plain[1] + 2 * z_bytes, (first, second, plain)
