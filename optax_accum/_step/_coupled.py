@@ -161,21 +161,37 @@ def coupled_optimizer(coupled: CoupledLoss, optimizer: MultiSteps) -> MultiSteps
   return optimizer.replace(terms=coupled.terms)
 
 
+def check_coupled(mode: str, has_aux: bool, axis_name: Any) -> None:
+  """``ValueError`` for a train step's settings a :class:`CoupledLoss` cannot take."""
+  if mode != "scan" or has_aux or axis_name is not None:
+    raise ValueError(
+      "A CoupledLoss needs the whole window before any gradient: "
+      "make_train_step(coupled, optimizer, mode='scan') with a window of "
+      "micro-batches per call (split_micro_batches), without has_aux or axis_name."
+    )
+
+
 class CoupledStep:
   """A scan-mode train step on a :class:`CoupledLoss`: pass 1, then the
-  window of ``inner`` (a :class:`~optax_accum._step._train_step.TrainStep` on
-  the surrogate loss, ``window`` dicts by micro-batch)."""
+  window of a train step ``build(loss_fn, optimizer)`` on the surrogate loss
+  (the window's micro-batches as dicts: see :func:`surrogate`)."""
 
-  def __init__(self, coupled: CoupledLoss, make_inner: Callable[[int], Any]):
+  def __init__(
+    self,
+    coupled: CoupledLoss,
+    optimizer: MultiSteps,
+    build: Callable[[Callable[..., Any], MultiSteps], Any],
+  ):
     self.coupled = coupled
-    self._make_inner = make_inner
+    self._optimizer = coupled_optimizer(coupled, optimizer)
+    self._build = build
     self._inner: dict[int, Any] = {}
     self._pass1 = jax.jit(cotangents, static_argnums=0)
 
   def inner(self, k: int) -> Any:
-    """The step for windows of ``k`` micro-batches."""
+    """The train step for windows of ``k`` micro-batches."""
     if k not in self._inner:
-      self._inner[k] = self._make_inner(k)
+      self._inner[k] = self._build(surrogate(self.coupled, k), self._optimizer)
     return self._inner[k]
 
   @property

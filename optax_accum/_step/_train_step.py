@@ -21,12 +21,7 @@ from optax_accum._core._multi_steps import EveryKSchedule, MultiSteps, MultiStep
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import check_single_accumulation
 from optax_accum._core._transitions import with_window
-from optax_accum._step._coupled import (
-  CoupledLoss,
-  CoupledStep,
-  coupled_optimizer,
-  surrogate,
-)
+from optax_accum._step._coupled import CoupledLoss, CoupledStep, check_coupled
 from optax_accum._step._explained import check_restored, check_state, explained
 from optax_accum._step._known import UNKNOWN, Known
 from optax_accum._step._layouts import Layout, Layouts, avals, is_traced
@@ -430,29 +425,6 @@ def _accumulator(
   return MultiSteps(optimizer, every_k_schedule)
 
 
-def _coupled_step(
-  coupled: CoupledLoss,
-  optimizer: Any,
-  mode: Mode,
-  has_aux: bool,
-  donate: bool,
-  axis: Any,
-) -> CoupledStep:
-  """The step for a :class:`CoupledLoss`: scan mode, pass 1 then the window."""
-  if mode != "scan" or has_aux or axis is not None:
-    raise ValueError(
-      "A CoupledLoss needs the whole window before any gradient: "
-      "make_train_step(coupled, optimizer, mode='scan') with a window of "
-      "micro-batches per call (split_micro_batches), without has_aux or axis_name."
-    )
-  optimizer = coupled_optimizer(coupled, _accumulator(optimizer, mode, None))
-
-  def inner(k: int) -> TrainStep:
-    return TrainStep(surrogate(coupled, k), optimizer, mode, False, donate)
-
-  return CoupledStep(coupled, inner)
-
-
 def make_train_step(
   loss_fn: Callable[..., Any] | CoupledLoss,
   optimizer: MultiSteps | optax.GradientTransformation,
@@ -554,7 +526,11 @@ def make_train_step(
     (2.3333..., 1)
   """
   if isinstance(loss_fn, CoupledLoss):
-    return _coupled_step(loss_fn, optimizer, mode, has_aux, donate, axis_name)
+    check_coupled(mode, has_aux, axis_name)
+    acc = _accumulator(optimizer, mode, every_k_schedule)
+    return CoupledStep(
+      loss_fn, acc, lambda f, opt: TrainStep(f, opt, mode, False, donate)
+    )
   optimizer = _accumulator(optimizer, mode, every_k_schedule)
   if axis_name is not None:
     if optimizer.axis_name not in (None, axis_name):
