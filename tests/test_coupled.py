@@ -255,8 +255,8 @@ def test_two_passes_cost_one_forward_more_and_the_representations():
 @pytest.mark.parametrize(
   "change, match",
   [
-    ({"mode": "stream"}, "mode='scan'"),
-    ({"axis_name": "data"}, "without has_aux or axis_name"),
+    ({"has_aux": True}, "neither has_aux nor axis_name"),
+    ({"axis_name": "data"}, "neither has_aux nor axis_name"),
     ({"optimizer": optax_accum.MultiSteps(optax.sgd(1.0), 2, terms=("a",))}, "terms"),
     (
       {
@@ -272,3 +272,70 @@ def test_what_a_coupled_loss_cannot_take_is_refused(change, match):
   kwargs = {"optimizer": optax.sgd(1.0), "mode": "scan", **change}
   with pytest.raises(ValueError, match=match):
     optax_accum.make_train_step(CLIP, **kwargs)
+
+
+# --- streaming, and what MultiSteps adds --------------------------------------------
+
+
+def test_a_streamed_window_holds_its_micro_batches_and_equals_the_whole_batch():
+  """Streaming: the first k - 1 calls hold their micro-batches and return the
+  state as given; the k-th runs both passes. `end_window=True` ends a short
+  window, whose gradient is its own rows' whole-batch gradient."""
+  k, params, batch = 4, _clip_params(jnp.float32), _clip_batch(jnp.float32)
+  opt = optax_accum.MultiSteps(optax.sgd(1.0), k)
+  step = optax_accum.make_train_step(CLIP, opt)
+  state = step.init(params)
+  moved = jax.tree.map(jnp.copy, params)
+  micro = [jax.tree.map(lambda x, i=i: x[i::k], batch) for i in range(k)]
+  for i, micro_batch in enumerate(micro):
+    moved, state, metrics = step(moved, state, micro_batch)
+    assert bool(metrics["updated"]) == (i == k - 1)
+  whole = jax.grad(CLIP.whole_batch)(params, batch)
+  assert _rel(jax.tree.map(jnp.subtract, params, moved), whole) <= 1e-5
+  short = jax.tree.map(lambda *x: jnp.concatenate(x), *micro[:2])
+  before = moved
+  moved, state, metrics = step(jax.tree.map(jnp.copy, before), state, micro[0])
+  moved, state, metrics = step(moved, state, micro[1], end_window=True)
+  assert int(metrics["update_count"]) == 2
+  expected = jax.grad(CLIP.whole_batch)(before, short)
+  assert _rel(jax.tree.map(jnp.subtract, before, moved), expected) <= 1e-5
+
+
+def test_a_non_finite_window_is_skipped_whole():
+  """One NaN input: every micro-batch's cotangent depends on it, so the whole
+  window is skipped (`skip_window`), counted, and the params kept."""
+  params, batch = _clip_params(jnp.float32), _clip_batch(jnp.float32)
+  batch["image"] = batch["image"].at[3, 0].set(jnp.nan)
+  step = optax_accum.make_train_step(CLIP, optax.sgd(1.0), mode="scan")
+  window = optax_accum.split_micro_batches(batch, 4)
+  moved, _, metrics = step(jax.tree.map(jnp.copy, params), step.init(params), window)
+  assert int(metrics["skipped_windows"]) == 1 and not bool(metrics["updated"])
+  jax.tree.map(np.testing.assert_array_equal, moved, params)
+
+
+def test_progress_schedule_and_a_restored_checkpoint_between_windows(tmp_path):
+  """The learning rate counts updates (not micro-batches), and a state saved
+  between windows and restored against step.init resumes bit-identically."""
+  import orbax.checkpoint as ocp
+
+  lr = optax_accum.progress_schedule(optax.linear_schedule(1e-2, 0.0, 4))
+  opt = optax.inject_hyperparams(optax.adamw)(learning_rate=lr)
+  step = optax_accum.make_train_step(CLIP, opt, mode="scan")
+  params = _clip_params(jnp.float32)
+  windows = [
+    optax_accum.split_micro_batches(_clip_batch(jnp.float32, s), 4) for s in range(3)
+  ]
+  p, s = jax.tree.map(jnp.copy, params), step.init(params)
+  rates = []
+  for window in windows[:2]:
+    p, s, metrics = step(p, s, window)
+    rates.append(float(metrics["learning_rate"]))
+  np.testing.assert_allclose(rates, [1e-2, 7.5e-3], rtol=1e-6)
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(tmp_path / "ckpt", {"params": p, "opt_state": s})
+  ckpt.wait_until_finished()
+  target = {"params": params, "opt_state": step.init(params)}
+  restored = ckpt.restore(tmp_path / "ckpt", target)
+  after, _, _ = step(p, s, windows[2])
+  resumed, _, _ = step(restored["params"], restored["opt_state"], windows[2])
+  jax.tree.map(np.testing.assert_array_equal, resumed, after)

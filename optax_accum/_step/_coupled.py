@@ -161,32 +161,52 @@ def coupled_optimizer(coupled: CoupledLoss, optimizer: MultiSteps) -> MultiSteps
   return optimizer.replace(terms=coupled.terms)
 
 
-def check_coupled(mode: str, has_aux: bool, axis_name: Any) -> None:
+def _held(opt_state: Any, held: int) -> dict[str, Any]:
+  """A streamed call's metrics while the step holds the window's micro-batches:
+  nothing is computed before the window's last (its loss comes with it)."""
+  return {
+    "micro_steps": jnp.int32(held),
+    "updated": jnp.bool_(False),
+    "update_count": getattr(opt_state, "gradient_step", jnp.int32(0)),
+  }
+
+
+def check_coupled(has_aux: bool, axis_name: Any) -> None:
   """``ValueError`` for a train step's settings a :class:`CoupledLoss` cannot take."""
-  if mode != "scan" or has_aux or axis_name is not None:
+  if has_aux or axis_name is not None:
     raise ValueError(
-      "A CoupledLoss needs the whole window before any gradient: "
-      "make_train_step(coupled, optimizer, mode='scan') with a window of "
-      "micro-batches per call (split_micro_batches), without has_aux or axis_name."
+      "A CoupledLoss takes neither has_aux nor axis_name: its window loss "
+      "returns (loss, weight), and under plain jit the window's "
+      "representations are global on any mesh."
     )
 
 
 class CoupledStep:
-  """A scan-mode train step on a :class:`CoupledLoss`: pass 1, then the
-  window of a train step ``build(loss_fn, optimizer)`` on the surrogate loss
-  (the window's micro-batches as dicts: see :func:`surrogate`)."""
+  """A train step on a :class:`CoupledLoss`: pass 1, then the window of a
+  scan-mode train step ``build(loss_fn, optimizer)`` on the surrogate loss (the
+  window's micro-batches as dicts: see :func:`surrogate`).
+
+  In scan mode a call takes a window. Streaming, a call takes a micro-batch:
+  the step holds the window's micro-batches (device arrays, on the host's
+  list) until the last, where the optimizer's ``k`` or ``end_window=True``
+  ends the window, and runs the window then; the calls before return the
+  state as given. A checkpoint is taken between windows.
+  """
 
   def __init__(
     self,
     coupled: CoupledLoss,
     optimizer: MultiSteps,
     build: Callable[[Callable[..., Any], MultiSteps], Any],
+    mode: str = "scan",
   ):
     self.coupled = coupled
+    self.mode = mode
     self._optimizer = coupled_optimizer(coupled, optimizer)
     self._build = build
     self._inner: dict[int, Any] = {}
     self._pass1 = jax.jit(cotangents, static_argnums=0)
+    self._held: list[Any] = []
 
   def inner(self, k: int) -> Any:
     """The train step for windows of ``k`` micro-batches."""
@@ -209,13 +229,51 @@ class CoupledStep:
     return jax.vmap(lambda i: jax.random.fold_in(rng, seen + i))(jnp.arange(k))
 
   def __call__(
-    self, params: Any, opt_state: Any, batch: Any, rng: Any = None, **kwargs: Any
+    self,
+    params: Any,
+    opt_state: Any,
+    batch: Any,
+    rng: Any = None,
+    *,
+    end_window: Any = False,
   ) -> tuple[Any, Any, Any]:
+    if self.mode == "stream":
+      return self._streamed(params, opt_state, batch, rng, end_window)
+    return self._window(params, opt_state, batch, rng, end_window)
+
+  def _window(
+    self, params: Any, opt_state: Any, batch: Any, rng: Any, end_window: Any = False
+  ) -> tuple[Any, Any, Any]:
+    """A whole window: pass 1, then the scan-mode step on the surrogate."""
     k = jax.tree.leaves(batch)[0].shape[0]
     keys = self._keys(opt_state, k, rng)
     first = self._pass1(self.coupled, params, batch, keys)
     window = {"batch": batch, **first}
-    return self.inner(k)(params, opt_state, window, rng, **kwargs)
+    return self.inner(k)(params, opt_state, window, rng, end_window=end_window)
+
+  def _streamed(
+    self, params: Any, opt_state: Any, micro_batch: Any, rng: Any, end_window: Any
+  ) -> tuple[Any, Any, Any]:
+    """One micro-batch: held, or the window it ends run as in scan mode."""
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(micro_batch)):
+      raise ValueError(
+        "A streaming step on a CoupledLoss holds micro-batches between calls, "
+        "which a trace cannot: in your own jit or scan use mode='scan'."
+      )
+    self._held.append(micro_batch)
+    if len(self._held) < self._window_size(opt_state) and not bool(end_window):
+      return params, opt_state, _held(opt_state, len(self._held))
+    window = jax.tree.map(lambda *x: jnp.stack(x), *self._held)
+    self._held = []
+    return self._window(params, opt_state, window, rng)
+
+  def _window_size(self, opt_state: Any) -> int:
+    """The window's ``k``: the optimizer's constant, else read from the state
+    (one wait for the device a window)."""
+    config = self._optimizer.config
+    if config.constant_k is not None:
+      return config.constant_k
+    return int(config.k_at(int(jax.device_get(opt_state.gradient_step))))
 
   def lower(
     self, params: Any, opt_state: Any, batch: Any, rng: Any = None

@@ -526,11 +526,10 @@ def make_train_step(
     (2.3333..., 1)
   """
   if isinstance(loss_fn, CoupledLoss):
-    check_coupled(mode, has_aux, axis_name)
+    check_coupled(has_aux, axis_name)
     acc = _accumulator(optimizer, mode, every_k_schedule)
-    return CoupledStep(
-      loss_fn, acc, lambda f, opt: TrainStep(f, opt, mode, False, donate)
-    )
+    build = lambda f, opt: TrainStep(f, opt, "scan", False, donate)  # noqa: E731
+    return CoupledStep(loss_fn, acc, build, mode)
   optimizer = _accumulator(optimizer, mode, every_k_schedule)
   if axis_name is not None:
     if optimizer.axis_name not in (None, axis_name):
