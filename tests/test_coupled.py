@@ -339,3 +339,41 @@ def test_progress_schedule_and_a_restored_checkpoint_between_windows(tmp_path):
   after, _, _ = step(p, s, windows[2])
   resumed, _, _ = step(restored["params"], restored["opt_state"], windows[2])
   jax.tree.map(np.testing.assert_array_equal, resumed, after)
+
+
+# --- audit: F10 -----------------------------------------------------------------------
+
+
+def _clip_loss(params, batch):
+  return info_nce(clip_represent(params, batch), batch)
+
+
+def _coupled_window_trainer(optimizer, k):
+  """A trainer that takes whole windows, through the library's CoupledLoss."""
+  step = optax_accum.make_train_step(CLIP, optimizer, mode="scan")
+
+  def train_window(params, state, micro_batches):
+    window = jax.tree.map(lambda *x: jnp.stack(x), *micro_batches)
+    params, state, _ = step(params, state, window)
+    return params, state
+
+  return step.init, train_window
+
+
+@pytest.mark.parametrize("setup", ["per micro-batch", "CoupledLoss"])
+def test_audit_names_a_coupled_loss_taken_per_micro_batch(setup):
+  """The usual step on InfoNCE is F10, with CoupledLoss as the fix; the
+  two-pass window audited as a window-level trainer is not."""
+  params, batch = _clip_params(jnp.float32), _clip_batch(jnp.float32)
+  kwargs = {}
+  if setup == "CoupledLoss":
+    kwargs["accumulation"] = optax_accum.per_window(_coupled_window_trainer)
+  report = optax_accum.audit(
+    _clip_loss, optax.adamw(1e-2), params, batch, k=4, **kwargs
+  )
+  if setup == "per micro-batch":
+    assert report.found() == {"F10"}, report
+    assert "CoupledLoss" in report.verdicts["F10"].fix
+  else:
+    assert report.ok, report
+    assert report.verdicts["F10"].status == "ok", report

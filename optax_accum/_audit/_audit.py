@@ -183,14 +183,17 @@ def audit(
   fit, term_fit = (None, None) if probe is None else _fit(probe, first, tolerance)
   lowest = min(jnp.finfo(jnp.result_type(x)).eps for x in jax.tree.leaves(params))
   trajectory_tol = max(tolerance, 32 * float(lowest))
-  skip = rounding_level_leaves(first.whole_grad, first.resummed_grad)
+  coupled = _coupling(first, tolerance)
+  skip = [] if coupled else rounding_level_leaves(first.whole_grad, first.resummed_grad)
   n = w.compared
   comparison = compare_params(
     reference.params[:n], resummed.params[:n], run.params[:n], skip, trajectory_tol
   )
   chained = setup.probe is None
   terms = _terms_evidence(first, term_fit, tolerance)
-  evidence = Evidence(fit, probe, w, comparison, reference, run, steps, chained, terms)
+  evidence = Evidence(
+    fit, probe, w, comparison, reference, run, steps, chained, terms, coupled
+  )
   names = leaf_names(params)
   report = _report(
     setup.name, first, evidence, [names[i] for i in skip], trajectory_tol
@@ -238,6 +241,16 @@ def _gradients(setup: Setup, tolerance: float) -> _Gradients:
     batch_gradient(term_fn, names, tolerance, resum=False, by_term=by_term),
     batch_gradient(term_fn, names, tolerance, resum=True, by_term=by_term),
   )
+
+
+def _coupling(first: _FirstBatch, tolerance: float) -> float | None:
+  """How far the whole batch's gradient is from its micro-batches'
+  token-weighted sum, where beyond ``tolerance``: the loss couples them."""
+  gap = optax.tree.norm(
+    jax.tree.map(jnp.subtract, first.whole_grad, first.resummed_grad)
+  )
+  gap = float(gap / optax.tree.norm(first.whole_grad))
+  return gap if gap > tolerance else None
 
 
 def _every_kth_row(batch: Any, k: int) -> list[Any]:

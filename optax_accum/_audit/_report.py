@@ -15,6 +15,7 @@ FAILURES = {
   "F6": "gradients dropped at the window boundary",
   "F7": "params frozen while the optimizer state advances",
   "terms": "loss term weighted by the wrong count",
+  "F10": "loss that couples the batch, per micro-batch",
   "other": "any other difference from the whole batch",
 }
 FIXES = {
@@ -34,6 +35,10 @@ FIXES = {
   "terms": "divide each term's window sum by that term's own total weight: "
   "optax_accum.MultiSteps(opt, k, terms=(...)) with loss_fn returning {name: "
   "(value, weight)}",
+  "F10": "the loss couples the window's examples (a contrastive loss, a "
+  "balance over the batch): take it over the whole window in two passes, "
+  "make_train_step(optax_accum.CoupledLoss(represent, window_loss), opt, "
+  'mode="scan") (docs/coupled.md)',
   "terms declared": "return each term as the mean over its own items, and their "
   "count as its weight (a value computed once per micro-batch: weight 1)",
 }

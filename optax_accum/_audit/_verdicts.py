@@ -48,6 +48,9 @@ class Evidence:
     steps: Updates before the restart.
     chained: Whether the accumulator sits inside the optimizer.
     terms: With loss terms, what the ``terms`` verdict weighs.
+    coupled: Where the whole batch's gradient is not its micro-batches'
+      token-weighted sum (beyond the tolerance), how far off: the loss couples
+      them. ``None`` for a sum over examples.
   """
 
   fit: GradientFit | None
@@ -59,6 +62,22 @@ class Evidence:
   steps: int
   chained: bool
   terms: TermsEvidence | None = None
+  coupled: float | None = None
+
+
+def _coupled_verdict(e: Evidence) -> Verdict | None:
+  """Whether a loss that couples the micro-batches is taken per micro-batch:
+  found unless the setup applies the whole batch's gradient anyway."""
+  if e.coupled is None:
+    return None
+  if e.fit is not None and e.fit.kind == "whole":
+    return Verdict("ok", "the setup applies the whole window's gradient")
+  detail = (
+    f"the whole batch's gradient is {e.coupled:.1e} from its micro-batches' "
+    "token-weighted sum: the loss is not a sum over examples, and the window "
+    "applies the sum"
+  )
+  return Verdict("FOUND", detail, FIXES["F10"])
 
 
 def _gradient_verdicts(
@@ -212,6 +231,11 @@ def verdicts(r: AuditReport, evidence: Evidence) -> dict[str, Verdict]:
   )
   if evidence.terms is not None:
     v["terms"] = terms_verdict(evidence.terms, evidence.fit)
+  coupled = _coupled_verdict(evidence)
+  if coupled is not None:
+    v["F10"] = coupled
+    if coupled.status == "FOUND":  # The rest follows from it.
+      v["F1"] = v["F6"] = Verdict("n/a", "the loss couples the micro-batches")
   explained = any(x.status == "FOUND" for x in v.values())
   problems, fix = _nonfinite_problems(reference, run)
   if not any(reference.changed):
