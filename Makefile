@@ -51,6 +51,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.lm
 	$(PY) -m benchmarks.accelerator
 	$(PY) -m benchmarks.loss_terms
+	$(PY) -m benchmarks.coupled
 	$(PY) -m benchmarks.compile
 
 ## notebooks: re-execute the notebooks in place, so their committed outputs are current.

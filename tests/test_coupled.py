@@ -222,22 +222,23 @@ def _towers(width=128, depth=2, rows=32, dim=32):
   return optax_accum.CoupledLoss(represent, info_nce), params, batch
 
 
-def _figures(lowered):
-  compiled = lowered.compile()
-  return compiled.cost_analysis()[
-    "flops"
-  ], compiled.memory_analysis().temp_size_in_bytes
+def _scratch(lowered):
+  return lowered.compile().memory_analysis().temp_size_in_bytes
 
 
 def test_two_passes_cost_one_forward_more_and_the_representations():
-  """Issue 50's bounds: the two passes at most 1.4x plain accumulation's FLOPs
-  (one forward more: 4/3 of forward and backward), and no more scratch than
-  the plain step's plus the window's representations and cotangents. (XLA
-  counts a loop's body once, in both.)"""
+  """Issue 50's bounds, from XLA's figures: a window's FLOPs at most 1.4x
+  plain accumulation's and a whole-window step's (one forward more: 4/3 of a
+  forward and backward), and no program's scratch beyond the plain step's
+  plus the window's representations and cotangents."""
+  from benchmarks.coupled import window_flops
+
   coupled, params, batch = _towers()
   window = optax_accum.split_micro_batches(batch, 4)
+  flops = window_flops(coupled, params, window)
+  assert flops["two_pass"] <= 1.4 * min(flops["plain"], flops["whole"]), flops
   step = optax_accum.make_train_step(coupled, optax.adamw(1e-3), mode="scan")
-  first, second = map(_figures, step.lower(params, step.init(params), window))
+  first, second = map(_scratch, step.lower(params, step.init(params), window))
 
   def per_micro_batch(params, batch):
     return coupled.whole_batch(params, batch), batch["mask"].sum()
@@ -245,33 +246,10 @@ def test_two_passes_cost_one_forward_more_and_the_representations():
   plain_step = optax_accum.make_train_step(
     per_micro_batch, optax.adamw(1e-3), mode="scan"
   )
-  plain = _figures(plain_step.lower(params, plain_step.init(params), window))
-  assert first[0] + second[0] <= 1.4 * plain[0], (first, second, plain)
+  plain = _scratch(plain_step.lower(params, plain_step.init(params), window))
   z = jax.eval_shape(coupled.represent, params, batch)
   z_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(z))
-  assert max(first[1], second[1]) <= plain[1] + 2 * z_bytes, (first, second, plain)
-
-
-@pytest.mark.parametrize(
-  "change, match",
-  [
-    ({"has_aux": True}, "neither has_aux nor axis_name"),
-    ({"axis_name": "data"}, "neither has_aux nor axis_name"),
-    ({"optimizer": optax_accum.MultiSteps(optax.sgd(1.0), 2, terms=("a",))}, "terms"),
-    (
-      {
-        "optimizer": optax_accum.MultiSteps(
-          optax.sgd(1.0), 2, on_nonfinite="skip_micro_batch"
-        )
-      },
-      "dropped alone",
-    ),
-  ],
-)
-def test_what_a_coupled_loss_cannot_take_is_refused(change, match):
-  kwargs = {"optimizer": optax.sgd(1.0), "mode": "scan", **change}
-  with pytest.raises(ValueError, match=match):
-    optax_accum.make_train_step(CLIP, **kwargs)
+  assert max(first, second) <= plain + 2 * z_bytes, (first, second, plain)
 
 
 # --- streaming, and what MultiSteps adds --------------------------------------------
