@@ -821,6 +821,7 @@ def test_linen_with_make_train_step_is_ok():
   assert any("['key']['bias']" in leaf for leaf in report.rounding_leaves)
 
 
+@pytest.mark.long  # 8 s of CPU; the NNX and Linen models with attention run in CI.
 def test_equinox_with_attention_is_ok():
   eqx = pytest.importorskip("equinox")
   keys = jax.random.split(jax.random.key(0), 3)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
@@ -176,16 +176,24 @@ def test_switch_balance_over_the_window_is_the_whole_batch_gradient(k, x64):
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
-def test_info_nce_on_an_explicit_mesh_gathers_the_window():
-  """Rows split over 8 devices: each device's micro-batch rows alone would
-  see 1/8 of the negatives; the window loss sees the gathered window."""
-  mesh = jax.make_mesh((8,), ("data",))
-  params, batch = _clip_params(jnp.float32), _clip_batch(jnp.float32)
-  whole = jax.grad(CLIP.whole_batch)(params, batch)
+@pytest.mark.parametrize(
+  "loss, axis_type",
+  [("info_nce", "Explicit"), ("switch_balance", "Explicit"), ("info_nce", "Auto")],
+)
+def test_on_a_mesh_the_window_loss_sees_the_gathered_window(loss, axis_type):
+  """Rows split over 8 devices: each device's rows alone would hold 1/8 of
+  the negatives (of the tokens that set f); the window loss sees them all."""
+  coupled, params, batch = (
+    (CLIP, _clip_params(jnp.float32), _clip_batch(jnp.float32))
+    if loss == "info_nce"
+    else (MOE, _moe_params(jnp.float32), _moe_batch(jnp.float32))
+  )
+  whole = jax.grad(coupled.whole_batch)(params, batch)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(getattr(AxisType, axis_type),))
   with jax.set_mesh(mesh):
     params = jax.device_put(params, NamedSharding(mesh, P()))
     batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
-    window, _ = _window_gradient(CLIP, params, batch, 2)
+    window, _ = _window_gradient(coupled, params, batch, 2)
   assert _rel(jax.device_get(window), whole) <= 1e-5
 
 
@@ -355,3 +363,31 @@ def test_audit_names_a_coupled_loss_taken_per_micro_batch(setup):
   else:
     assert report.ok, report
     assert report.verdicts["F10"].status == "ok", report
+
+
+def _dropout_represent(params, batch, key):
+  """CLIP's embeddings after dropout on the image features."""
+  keep = jax.random.bernoulli(key, 0.7, batch["image"].shape)
+  dropped = {**batch, "image": jnp.where(keep, batch["image"] / 0.7, 0.0)}
+  return clip_represent(params, dropped)
+
+
+def test_both_passes_draw_the_same_dropout_masks():
+  """With an `rng`, micro-batch i gets the step's key in both passes: the
+  window's gradient is that of the window loss over those draws, exactly."""
+  k, params, batch = 4, _clip_params(jnp.float32), _clip_batch(jnp.float32)
+  coupled = optax_accum.CoupledLoss(_dropout_represent, info_nce)
+  step = optax_accum.make_train_step(coupled, optax.sgd(1.0), mode="scan")
+  window = optax_accum.split_micro_batches(batch, k)
+  rng = jax.random.key(7)
+  moved, _, _ = step(jax.tree.map(jnp.copy, params), step.init(params), window, rng)
+  keys = [jax.random.fold_in(rng, i) for i in range(k)]  # The step's: n-th of the run.
+
+  def drawn(params):
+    micro = [jax.tree.map(lambda x, i=i: x[i], window) for i in range(k)]
+    z = [_dropout_represent(params, m, key) for m, key in zip(micro, keys, strict=True)]
+    joined = jax.tree.map(lambda *x: jnp.concatenate(x), *z)
+    return info_nce(joined, jax.tree.map(lambda *x: jnp.concatenate(x), *micro))[0]
+
+  expected = jax.grad(drawn)(params)
+  assert _rel(jax.tree.map(jnp.subtract, params, moved), expected) <= 1e-5

@@ -22,7 +22,14 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["auto", "axis_name", "explicit"])
+@pytest.mark.parametrize(  # Two processes each: the default mesh's recipe in CI.
+  "recipe",
+  [
+    pytest.param("auto", marks=pytest.mark.long),
+    pytest.param("axis_name", marks=pytest.mark.long),
+    "explicit",
+  ],
+)
 def test_two_processes_match_the_single_process_run(tmp_path, recipe):
   out = tmp_path / "params.npz"
   env = dict(

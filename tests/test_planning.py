@@ -219,6 +219,7 @@ def test_the_plans_step_runs_its_windows_without_compiling_again(mode, caplog):
     np.testing.assert_allclose(got[name], whole[name], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.long  # 11 s of CPU: the 8-device plan's programs.
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 def test_sharded_params_and_batch_give_per_device_figures_of_the_run():
   """Model-sharded params and a data-sharded batch on 8 devices: the plan's

@@ -40,8 +40,9 @@ from jax.sharding import PartitionSpec as P
 import optax_accum
 from optax_accum._core import _backend, _layout
 
-#: Examples in CI, spread over the paths (about 1 s of CPU each).
-DEFAULT_EXAMPLES = 75  # 5 for each of the 15 paths.
+#: Examples in CI, spread over the paths (about 1 s of CPU each); the long run
+#: takes 2,000 (``make test-long``).
+DEFAULT_EXAMPLES = 48  # 3 for each of the 16 paths.
 EXAMPLES = int(os.environ.get("OPTAX_ACCUM_REFERENCE_EXAMPLES", DEFAULT_EXAMPLES))
 AUTO = jax.sharding.AxisType.Auto
 # Path name -> (replicas, uses make_train_step).

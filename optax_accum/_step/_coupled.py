@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._core._multi_steps import MultiSteps, MultiStepsState
@@ -73,8 +73,13 @@ class CoupledLoss(NamedTuple):
 
 
 def _on_a_mesh(x: Any) -> bool:
+  """Whether ``x`` is typed on a mesh with ``Explicit`` axes, where a reshape
+  across a split axis must say where its result goes (on ``Auto`` axes XLA
+  decides)."""
   sharding = jax.typeof(x).sharding
-  return isinstance(sharding, NamedSharding) and not sharding.mesh.empty
+  if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
+    return False
+  return AxisType.Explicit in sharding.mesh.axis_types
 
 
 def _joined(tree: Any) -> Any:
