@@ -738,3 +738,44 @@ def draw_chunks(rng: np.random.Generator, length: int) -> list[int]:
     sizes.append(min(length, int(rng.integers(1, 4))))
     length -= sizes[-1]
   return sizes
+
+
+# -- a loss that couples the window (docs/coupled.md) --------------------------------
+
+
+def coupled_window_gradient(
+  params: dict[str, np.ndarray], batch: dict[str, np.ndarray], scale: float
+) -> dict[str, np.ndarray]:
+  """The gradient a window of a :class:`optax_accum.CoupledLoss` applies, in
+  float64, written from ``docs/coupled.md``: that of the window loss over all
+  of the window's rows at once. The model: linear image and text towers
+  ``A = X W_image``, ``B = Y W_text``; the loss: symmetric InfoNCE over the
+  valid pairs, ``logits = scale * A B^T``, padding pairs neither anchors nor
+  negatives, the mean over the ``n`` valid pairs of the two directions' mean.
+
+  With ``G = dL/dlogits``: ``G = (R (P - I) + C (Q - I)) / (2 n)``, where
+  ``P`` is the softmax of each valid row over the valid columns, ``Q`` of
+  each valid column over the valid rows, and ``R``, ``C`` keep the valid
+  rows, columns; then ``dW_image = scale X^T G B``, ``dW_text = scale Y^T
+  G^T A``.
+  """
+  x = np.asarray(batch["image"], np.float64)
+  y = np.asarray(batch["text"], np.float64)
+  valid = np.asarray(batch["mask"], np.float64) > 0
+  a = x @ np.asarray(params["image"], np.float64)
+  b = y @ np.asarray(params["text"], np.float64)
+  logits = scale * a @ b.T
+  both = valid[:, None] & valid[None, :]
+  n = valid.sum()
+
+  def softmax(z: np.ndarray, axis: int) -> np.ndarray:
+    z = np.where(both, z, -np.inf)
+    top = np.max(np.where(both, z, -np.inf), axis=axis, keepdims=True)
+    e = np.where(both, np.exp(z - np.where(np.isfinite(top), top, 0.0)), 0.0)
+    total = e.sum(axis=axis, keepdims=True)
+    return np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+
+  eye = np.diag(valid.astype(np.float64))
+  grad = (softmax(logits, 1) - eye + softmax(logits, 0) - eye) / (2 * n)
+  grad = np.where(both, grad, 0.0)
+  return {"image": scale * x.T @ grad @ b, "text": scale * y.T @ grad.T @ a}

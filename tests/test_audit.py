@@ -808,6 +808,7 @@ class LinenModel(nn.Module):
     return nn.Dense(V)(jnp.tanh(h))
 
 
+@pytest.mark.long  # 7 s of CPU; the NNX model with attention runs in CI.
 def test_linen_with_make_train_step_is_ok():
   model = LinenModel()
   batch = make_batch()
@@ -1021,7 +1022,11 @@ def _window_trainer(weighted):
   return setup
 
 
-@pytest.mark.parametrize("weighted", [True, False], ids=["token_weighted", "uniform"])
+@pytest.mark.parametrize(  # The token-weighted trainer is OK in CI as per_window's doctest.
+  "weighted",
+  [pytest.param(True, marks=pytest.mark.long), False],
+  ids=["token_weighted", "uniform"],
+)
 def test_a_window_level_trainer_through_per_window(weighted):
   report = _audit(optax_accum.per_window(_window_trainer(weighted)), ADAMW_PLAIN)
   assert report.ok == weighted

@@ -671,8 +671,8 @@ def _plan(path, stream, rng):
 
 
 def draws_terms(seed: int) -> bool:
-  """Whether example ``seed`` of a path draws loss terms: 2 in 7 (in CI, one
-  of the 5 examples of each path). Every path takes them."""
+  """Whether example ``seed`` of a path draws loss terms: 2 in 7 (in CI, the
+  third of the 3 examples of each path). Every path takes them."""
   return seed % 7 in (2, 5)
 
 
