@@ -1022,7 +1022,7 @@ def _window_trainer(weighted):
   return setup
 
 
-@pytest.mark.parametrize(  # The token-weighted trainer is OK in CI as per_window's doctest.
+@pytest.mark.parametrize(  # OK in CI too: per_window's doctest.
   "weighted",
   [pytest.param(True, marks=pytest.mark.long), False],
   ids=["token_weighted", "uniform"],
