@@ -1031,3 +1031,17 @@ def test_a_window_level_trainer_through_per_window(weighted):
   report = _audit(optax_accum.per_window(_window_trainer(weighted)), ADAMW_PLAIN)
   assert report.ok == weighted
   assert sorted(report.found()) == ([] if weighted else ["F1"])
+
+
+def test_the_library_step_in_your_own_jit_is_audited():
+  """The audit builds its programs with quick XLA options, which JAX takes on a
+  top-level jit only: a step built in the setup and traced in the setup's own
+  jit runs as that program's part (it failed: options on a nested jit)."""
+
+  def in_your_jit(optimizer, k):
+    step = optax_accum.make_train_step(mean_loss, optax_accum.MultiSteps(optimizer, k))
+    run = jax.jit(lambda p, s, b: step(p, s, b)[:2])
+    return step.init, run
+
+  report = _audit(in_your_jit, ADAMW_PLAIN)
+  assert report.ok, str(report)

@@ -23,7 +23,6 @@ representations and their cotangents, and one micro-batch's activations.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -191,7 +190,9 @@ class CoupledStep:
   scan-mode train step ``build(loss_fn, optimizer)`` on the surrogate loss (the
   window's micro-batches as dicts: see :func:`surrogate`).
 
-  In scan mode a call takes a window. Streaming, a call takes a micro-batch:
+  In scan mode a call takes a window and runs one program: both passes,
+  ``params`` and ``opt_state`` donated with ``donate``. Streaming, a call
+  takes a micro-batch:
   the step holds the window's micro-batches (device arrays, on the host's
   list) until the last, where the optimizer's ``k`` or ``end_window=True``
   ends the window, and runs the window then; the calls before return the
@@ -204,13 +205,14 @@ class CoupledStep:
     optimizer: MultiSteps,
     build: Callable[[Callable[..., Any], MultiSteps], Any],
     mode: str = "scan",
+    donate: bool = True,
   ):
     self.coupled = coupled
     self.mode = mode
     self._optimizer = coupled_optimizer(coupled, optimizer)
     self._build = build
     self._inner: dict[int, Any] = {}
-    self._pass1 = jax.jit(cotangents, static_argnums=0)
+    self._program = jax.jit(self._both_passes, donate_argnums=(0, 1) if donate else ())
     self._held: list[Any] = []
 
   def inner(self, k: int) -> Any:
@@ -249,12 +251,22 @@ class CoupledStep:
   def _window(
     self, params: Any, opt_state: Any, batch: Any, rng: Any, end_window: Any = False
   ) -> tuple[Any, Any, Any]:
-    """A whole window: pass 1, then the scan-mode step on the surrogate."""
+    """A whole window, in one program."""
+    if end_window is not False and bool(end_window):
+      raise ValueError(
+        "`end_window` is for streaming: in scan mode every call ends a window."
+      )
+    return self._program(params, opt_state, batch, rng)
+
+  def _both_passes(
+    self, params: Any, opt_state: Any, batch: Any, rng: Any
+  ) -> tuple[Any, Any, Any]:
+    """Pass 1, then the scan-mode step on the surrogate (traced: its window
+    program inlined)."""
     k = jax.tree.leaves(batch)[0].shape[0]
     keys = self._keys(opt_state, k, rng)
-    first = self._pass1(self.coupled, params, batch, keys)
-    window = {"batch": batch, **first}
-    return self.inner(k)(params, opt_state, window, rng, end_window=end_window)
+    window = {"batch": batch, **cotangents(self.coupled, params, batch, keys)}
+    return self.inner(k)(params, opt_state, window, rng)
 
   def _streamed(
     self, params: Any, opt_state: Any, micro_batch: Any, rng: Any, end_window: Any
@@ -282,13 +294,6 @@ class CoupledStep:
 
   def lower(
     self, params: Any, opt_state: Any, batch: Any, rng: Any = None
-  ) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
-    """Pass 1's program and the window's, lowered (for XLA's figures)."""
-    k = jax.tree.leaves(batch)[0].shape[0]
-    keys = self._keys(opt_state, k, rng)
-    first = self._pass1.lower(self.coupled, params, batch, keys)
-    shapes = jax.eval_shape(
-      functools.partial(cotangents, self.coupled), params, batch, keys
-    )
-    window = {"batch": batch, **shapes}
-    return first, self.inner(k).lower(params, opt_state, window, rng)
+  ) -> jax.stages.Lowered:
+    """The window's program (both passes), lowered: for XLA's figures."""
+    return self._program.lower(params, opt_state, batch, rng)

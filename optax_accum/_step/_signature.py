@@ -63,7 +63,9 @@ UPDATE_DONATES = ("params", "inner", "acc")
 class Program:
   """``body`` jitted, its inputs passed field by field so that ``donates``
   (field names) can be donated; ``mapped`` wraps the flat function first
-  (a ``shard_map``)."""
+  (a ``shard_map``). Built in a ``compiled_with`` block, it compiles with
+  those XLA options when called from Python (JAX takes them on a top-level
+  ``jit`` only: traced in another, it is that program's part)."""
 
   def __init__(
     self,
@@ -78,17 +80,30 @@ class Program:
     flat.__name__ = flat.__qualname__ = named(body)  # What jit logs and profiles.
 
     argnums = tuple(Inputs._fields.index(name) for name in donates) if donate else ()
-    self.jitted = jax.jit(
-      flat if mapped is None else mapped(flat),
-      donate_argnums=argnums,
-      compiler_options=compiler_options(),
+    fn = flat if mapped is None else mapped(flat)
+    self.nested = jax.jit(fn, donate_argnums=argnums)
+    options = compiler_options()
+    self.jitted = (
+      self.nested
+      if options is None
+      else jax.jit(fn, donate_argnums=argnums, compiler_options=options)
     )
 
   def __call__(self, inputs: Inputs) -> Outputs:
+    if self.jitted is not self.nested and _traced(inputs):  # Options: no walk.
+      return Outputs(*self.nested(*inputs))
     return Outputs(*self.jitted(*inputs))
 
   def lower(self, inputs: Inputs) -> jax.stages.Lowered:
     return self.jitted.lower(*inputs)
+
+
+def _traced(inputs: Inputs) -> bool:
+  """Whether a call is traced in another program: its counters, first param
+  or first batch leaf is a tracer (no walk over every leaf)."""
+  firsts = [jax.tree.leaves(tree)[:1] for tree in (inputs.params, inputs.batch)]
+  probe = [*jax.tree.leaves(inputs.counters), *firsts[0], *firsts[1]]
+  return any(isinstance(x, jax.core.Tracer) for x in probe)
 
 
 def named(body: Body) -> str:

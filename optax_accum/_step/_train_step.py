@@ -529,7 +529,7 @@ def make_train_step(
     check_coupled(has_aux, axis_name)
     acc = _accumulator(optimizer, mode, every_k_schedule)
     build = lambda f, opt: TrainStep(f, opt, "scan", False, donate)  # noqa: E731
-    return CoupledStep(loss_fn, acc, build, mode)
+    return CoupledStep(loss_fn, acc, build, mode, donate)
   optimizer = _accumulator(optimizer, mode, every_k_schedule)
   if axis_name is not None:
     if optimizer.axis_name not in (None, axis_name):
