@@ -33,6 +33,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._core._multi_steps import MultiSteps, MultiStepsState
+from optax_accum._step._layouts import is_traced
 
 
 class CoupledLoss(NamedTuple):
@@ -165,7 +166,7 @@ def coupled_optimizer(coupled: CoupledLoss, optimizer: MultiSteps) -> MultiSteps
   return optimizer.replace(terms=coupled.terms)
 
 
-def _held(opt_state: Any, held: int) -> dict[str, Any]:
+def _holding_metrics(opt_state: Any, held: int) -> dict[str, Any]:
   """A streamed call's metrics while the step holds the window's micro-batches:
   nothing is computed before the window's last (its loss comes with it)."""
   return {
@@ -223,9 +224,11 @@ class CoupledStep:
 
   @property
   def optimizer(self) -> MultiSteps:
-    return self.inner(1).optimizer
+    """The accumulator the window runs: the given one, with the loss terms."""
+    return self._optimizer
 
   def init(self, params: optax.Params) -> MultiStepsState:
+    """The state to start from, laid out as the window's step keeps it."""
     return self.inner(1).init(params)
 
   def _keys(self, opt_state: Any, k: int, rng: Any) -> Any:
@@ -272,14 +275,14 @@ class CoupledStep:
     self, params: Any, opt_state: Any, micro_batch: Any, rng: Any, end_window: Any
   ) -> tuple[Any, Any, Any]:
     """One micro-batch: held, or the window it ends run as in scan mode."""
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(micro_batch)):
+    if is_traced(micro_batch):
       raise ValueError(
         "A streaming step on a CoupledLoss holds micro-batches between calls, "
         "which a trace cannot: in your own jit or scan use mode='scan'."
       )
     self._held.append(micro_batch)
     if len(self._held) < self._window_size(opt_state) and not bool(end_window):
-      return params, opt_state, _held(opt_state, len(self._held))
+      return params, opt_state, _holding_metrics(opt_state, len(self._held))
     window = jax.tree.map(lambda *x: jnp.stack(x), *self._held)
     self._held = []
     return self._window(params, opt_state, window, rng)
