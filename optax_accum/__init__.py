@@ -9,18 +9,25 @@ from optax_accum._core._multi_steps import (
   MultiStepsConfig,
   MultiStepsState,
 )
+from optax_accum._core._noise import NoiseScaleState
 from optax_accum._core._optax_microbatch import weighted_mean_accumulator
 from optax_accum._core._resume import resume_target
 from optax_accum._planning import MicroBatchPlan, plan_micro_batches
 from optax_accum._progress import (
+  NoiseScaleEMA,
   ProgressSchedule,
   ProgressState,
+  ScaleByAdamInItemsState,
+  adamw_in_items,
   causal_lm_target_mask,
   get_hyperparams,
   get_last_window,
   get_update_count,
   progress_schedule,
+  scale_by_adam_in_items,
+  scale_by_window_weight,
   schedule_free_eval_params,
+  smooth_noise_scale,
   split_micro_batches,
 )
 from optax_accum._step import CoupledLoss, TrainStep, make_train_step
@@ -36,13 +43,17 @@ __all__ = (
   "MultiSteps",
   "MultiStepsConfig",
   "MultiStepsState",
+  "NoiseScaleEMA",
+  "NoiseScaleState",
   "Packed",
   "PerReplica",
   "ProgressSchedule",
   "ProgressState",
+  "ScaleByAdamInItemsState",
   "TrainStep",
   "Verdict",
   "__version__",
+  "adamw_in_items",
   "audit",
   "causal_lm_target_mask",
   "get_hyperparams",
@@ -54,7 +65,10 @@ __all__ = (
   "progress_schedule",
   "relayout",
   "resume_target",
+  "scale_by_adam_in_items",
+  "scale_by_window_weight",
   "schedule_free_eval_params",
+  "smooth_noise_scale",
   "split_micro_batches",
   "weighted_mean_accumulator",
 )

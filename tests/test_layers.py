@@ -32,10 +32,14 @@ def test_window_arithmetic_imports_neither_optax_nor_collectives():
   assert imports, "the parse found no imports at all"
   assert not [name for name in imports if name.split(".")[0] == "optax"], imports
   inside = {name for name in imports if name.startswith("optax_accum")}
-  assert inside == {"optax_accum._core._backend", "optax_accum._core._checks"}, inside
-  # _checks itself does no collectives and needs no optax.
-  assert not [n for n in _imports("_core/_checks") if n.split(".")[0] in ("optax",)]
-  assert "psum" not in (PACKAGE / "_core" / "_window.py").read_text()
+  want = {"optax_accum._core._backend", "optax_accum._core._checks"}
+  assert inside == want | {"optax_accum._core._noise"}, inside
+  # _checks and _noise themselves do no collectives and need no optax.
+  for module in ("_core/_checks", "_core/_noise"):
+    assert not [n for n in _imports(module) if n.split(".")[0] in ("optax",)]
+    assert not [n for n in _imports(module) if n.startswith("optax_accum")]
+  for module in ("_window", "_noise"):
+    assert "psum" not in (PACKAGE / "_core" / f"{module}.py").read_text()
 
 
 WINGS = ("_step", "_progress", "_frameworks", "_planning", "_audit")

@@ -589,7 +589,18 @@ def test_state_fields():
     "micro_batches_seen",
     "last_window_loss",
     "last_window_weight",
+    "noise_scale",
   )
+  # Without noise_scale=True the pytree is release 0.1.0's (its checkpoints
+  # restore against it: test_legacy_checkpoints.py); with it, one node more.
+  def top(s):
+    children = jax.tree_util.tree_flatten_with_path(s, is_leaf=lambda x: x is not s)
+    return tuple(p[0].name for p, _ in children[0])
+
+  assert top(state) == state._fields[:-1]
+  measured = optax_accum.MultiSteps(optax.sgd(1.0), 2, noise_scale=True).init(PARAMS)
+  assert top(measured) == state._fields
+  assert jax.tree.map(lambda x: x, state).noise_scale is None
   assert state.micro_batches_seen.dtype == jnp.int32
   assert state.mini_step.dtype == state.gradient_step.dtype == jnp.int32
   assert state.acc_weight.dtype == jnp.float32 and state.updated.dtype == jnp.bool_

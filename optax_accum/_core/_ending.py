@@ -140,5 +140,7 @@ def end(
     start = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)), like)
   carry = (start, added.inner_opt_state, jnp.zeros_like(squares))
   target, inner, norm = once_if(applies, update, carry)
-  state = ms.closed(config, added, ends, nonfinite, applies, inner, divided_loss=loss)
+  state = ms.closed(
+    config, added, ends, nonfinite, applies, inner, divided_loss=loss, squares=squares
+  )
   return Ending(target, state, norm)

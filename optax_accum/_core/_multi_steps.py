@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike, DTypeLike
 
-from optax_accum._core import _checks, _ending, _layout, _reduction, _terms
+from optax_accum._core import _checks, _ending, _layout, _noise, _reduction, _terms
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import (
   WINDOW_MICRO_STEPS,
@@ -135,6 +135,12 @@ class MultiSteps:
       window (``docs/loss_terms.md``): ``updates``, ``weight`` and ``loss``
       are dicts by term name; the window's gradient is ``sum_t A_t / W_t``,
       one accumulator per term; ``window_weight`` is the first term's.
+    noise_scale: Measure each window's gradient noise scale from its units'
+      squared norms (``docs/noise_scale.md``): the state's ``noise_scale``
+      holds the last window's unbiased estimates of :math:`|\mu|^2` and
+      :math:`\operatorname{tr}\Sigma` (:func:`optax_accum.get_last_window`,
+      the train step's ``metrics["noise_scale"]``). One more squared norm a
+      micro-batch; not with ``terms``.
 
   Examples:
     Two micro-batches with 1 and 3 tokens: the emitted gradient is the token
@@ -167,6 +173,7 @@ class MultiSteps:
     axis_name: AxisName | None = None,
     on_nonfinite: NonFinitePolicy = "skip_window",
     terms: tuple[str, ...] | None = None,
+    noise_scale: bool = False,
   ):
     _check_optimizer(opt)
     self.config = MultiStepsConfig(
@@ -178,6 +185,7 @@ class MultiSteps:
       axis_name,
       on_nonfinite,
       terms,
+      noise_scale,
     )
     self._given_opt, self._opt = opt, optax.with_extra_args_support(opt)
     self._warned = False
@@ -270,6 +278,8 @@ class MultiSteps:
     check_single_accumulation(inner_opt_state)
     count, weight = jnp.int32, _terms.weight(window).dtype  # A buffer per field:
     fields = _terms.joined(window, config.terms)._asdict()
+    if config.noise_scale:
+      fields["noise_scale"] = _noise.empty(weight)
     return MultiStepsState(  # a state is donated leaf by leaf.
       **fields,
       gradient_step=gradient_step,

@@ -76,6 +76,12 @@ class MultiStepsState(NamedTuple):
       already reset. 0 before the first window ends, or without ``loss=``.
     last_window_weight: Like ``acc_weight``. That window's total weight.
       A state built by hand (or restored) without these two starts at 0.
+    noise_scale: With ``MultiSteps(noise_scale=True)``, a
+      ``NoiseScaleState``: the window's running sum of its units' squared
+      norms and the last window's estimates of the gradient noise scale's two
+      parts (``docs/noise_scale.md``). Otherwise ``None``, and not a node of
+      the pytree: a state that does not measure has the structure of
+      release 0.1.0's, and its checkpoints restore against it.
   """
 
   mini_step: jax.Array
@@ -91,6 +97,25 @@ class MultiStepsState(NamedTuple):
   micro_batches_seen: ArrayLike = np.int32(0)
   last_window_loss: ArrayLike = np.float32(0)
   last_window_weight: ArrayLike = np.float32(0)
+  noise_scale: Any = None
+
+
+def _children(state: MultiStepsState) -> tuple[tuple[Any, ...], int]:
+  """A state's fields as pytree children, without ``noise_scale`` where it
+  measures nothing (release 0.1.0's structure)."""
+  names = MultiStepsState._fields
+  if not isinstance(state.noise_scale, tuple) or not state.noise_scale:
+    names = names[:-1]
+  children = tuple((jax.tree_util.GetAttrKey(n), getattr(state, n)) for n in names)
+  return children, len(names)
+
+
+def _from_children(count: int, children: Any) -> MultiStepsState:
+  del count
+  return MultiStepsState(*children)
+
+
+jax.tree_util.register_pytree_with_keys(MultiStepsState, _children, _from_children)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +139,7 @@ class MultiStepsConfig:
   axis_name: AxisName | None = None
   on_nonfinite: NonFinitePolicy = "skip_window"
   terms: tuple[str, ...] | None = None
+  noise_scale: bool = False
 
   def __post_init__(self) -> None:
     k = self.every_k_schedule
@@ -142,6 +168,14 @@ class MultiStepsConfig:
       )
     if self.terms is not None:
       object.__setattr__(self, "terms", self._checked_terms())
+    if not isinstance(self.noise_scale, bool | np.bool_):
+      raise ValueError(f"`noise_scale` must be a bool, got {self.noise_scale!r}.")
+    if self.noise_scale and self.terms is not None:
+      raise ValueError(
+        "`noise_scale=True` measures the noise of one objective's per-item "
+        f"gradients; with loss terms {list(self.terms)} each term has its own "
+        "items. Measure a run without `terms`."
+      )
     if not isinstance(self.use_grad_mean, bool | np.bool_):
       raise ValueError(f"`use_grad_mean` must be a bool, got {self.use_grad_mean!r}.")
     dtype = self.accumulator_dtype

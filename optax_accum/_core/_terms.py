@@ -59,15 +59,19 @@ def stored(entries: tuple[Any, ...], names: Names) -> Any:
 
 
 def split(window: Window, names: Names) -> Terms:
-  """A window stored as a state's fields, one window per term."""
-  fields = (per_term(f, names) for f in window[1:])
-  return tuple(Window(window.mini_step, *f) for f in zip(*fields, strict=True))
+  """A window stored as a state's fields, one window per term (the noise
+  measurements, of a window of one term only, ride on the first)."""
+  fields = (per_term(f, names) for f in window[1:-1])
+  parts = [Window(window.mini_step, *f) for f in zip(*fields, strict=True)]
+  parts[0] = parts[0]._replace(noise_scale=window.noise_scale)
+  return tuple(parts)
 
 
 def joined(window: Terms, names: Names) -> Window:
   """The inverse of :func:`split`: ``window`` as a state's fields."""
-  fields = (stored(f, names) for f in list(zip(*window, strict=True))[1:])
-  return Window(window[0].mini_step, *fields)
+  fields = (stored(f, names) for f in list(zip(*window, strict=True))[1:-1])
+  joined = Window(window[0].mini_step, *fields)
+  return joined._replace(noise_scale=window[0].noise_scale)
 
 
 def empty(params: Any, dtype: DTypeLike | None = None, terms: Names = None) -> Terms:

@@ -17,7 +17,14 @@ import optax
 from jax.sharding import NamedSharding
 from jax.typing import ArrayLike
 
-from optax_accum._core import _checks, _hyperparams, _reduction, _terms, _window
+from optax_accum._core import (
+  _checks,
+  _hyperparams,
+  _noise,
+  _reduction,
+  _terms,
+  _window,
+)
 from optax_accum._core._state import (
   WINDOW_MICRO_STEPS,
   WINDOW_WEIGHT,
@@ -35,7 +42,11 @@ _LINE_SEARCHES = (
 def window_of(config: MultiStepsConfig, state: MultiStepsState) -> _terms.Terms:
   """The window in progress of a state, one window per loss term."""
   window = _window.Window(
-    state.mini_step, state.acc_grads, state.acc_weight, state.acc_loss
+    state.mini_step,
+    state.acc_grads,
+    state.acc_weight,
+    state.acc_loss,
+    state.noise_scale,
   )
   return _terms.split(window, config.terms)
 
@@ -258,11 +269,21 @@ def closed(
   inner_opt_state: Any,
   *,
   divided_loss: jax.Array,
+  squares: jax.Array,
 ) -> MultiStepsState:
   """The state after the window's end (where ``ends``), with the new inner
-  state; ``divided_loss`` is the window's loss (:meth:`MultiSteps.window_loss`)."""
+  state; ``divided_loss`` is the window's loss (:meth:`MultiSteps.window_loss`)
+  and ``squares`` its gradient's squared norm (:func:`_terms.squares`)."""
   window = window_of(config, added)
+  noise = added.noise_scale
+  if _noise.measures(noise):
+    weight = _terms.weight(window)
+    if not config.divides and config.grad_reduction != "window_mean":
+      squares = squares / jnp.where(weight > 0, weight * weight, 1)  # Of the mean.
+    mode = config.grad_reduction
+    noise = _noise.closed(noise, squares, weight, ends, applies, mode)
   return with_window(config, added, _terms.reset(window, ends))._replace(
+    noise_scale=noise,
     gradient_step=_count_if(applies, added.gradient_step),
     inner_opt_state=inner_opt_state,
     updated=applies,

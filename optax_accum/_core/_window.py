@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike, DTypeLike
 
-from optax_accum._core import _backend, _checks
+from optax_accum._core import _backend, _checks, _noise
 
 
 class Window(NamedTuple):
@@ -48,12 +48,16 @@ class Window(NamedTuple):
     acc_weight: float ``[]``, float32 at least. The running sum of weights.
     acc_loss: Like ``acc_weight``. The running sum of ``weight * loss`` (or
       of ``loss``, for summed losses).
+    noise_scale: ``()``, or the window's noise measurements
+      (:class:`~optax_accum._core._noise.NoiseScaleState`), added with each
+      unit's weight.
   """
 
   mini_step: jax.Array
   acc_grads: Any
   acc_weight: Any  # A scalar here; a tuple of them in a window of terms.
   acc_loss: Any
+  noise_scale: Any = ()
 
 
 class Admission(NamedTuple):
@@ -212,9 +216,18 @@ def add(
   ``weigh``: the gradient and loss are means over the micro-batch's items and
   are multiplied by its weight; otherwise they are sums, added as they are.
   Added in the product's dtype and rounded once to the accumulator's; a
-  window's first micro-batch overwrites whatever the accumulator holds.
+  window's first micro-batch overwrites whatever the accumulator holds. A
+  window that measures its noise adds the micro-batch's squared norm, summed
+  over replicas with its weight.
   """
-  total = reduction.sum(kept.weight)
+  noise = window.noise_scale
+  if _noise.measures(noise):
+    _noise.check_own(grads, reduction)
+    mode = "mean" if weigh else "sum"
+    share = _noise.unit_share(grads, kept.weight, kept.adds, mode)
+    total, noise = _noise.added(noise, kept.weight, share, kept.adds, reduction)
+  else:
+    total = reduction.sum(kept.weight)
   acc_loss = window.acc_loss
   if loss is not None:
     loss = _checks.scalar(loss, name="loss", dtype=acc_loss.dtype)
@@ -234,6 +247,7 @@ def add(
     acc_grads=jax.tree_util.tree_map_with_path(accumulate, window.acc_grads, grads),
     acc_weight=window.acc_weight + total,
     acc_loss=acc_loss,
+    noise_scale=noise,
   )
 
 
@@ -309,12 +323,15 @@ def finish(window: Window, like: Any, divide: bool = True) -> tuple[Any, jax.Arr
 
 def reset(window: Window, ends: ArrayLike) -> Window:
   """An empty window where ``ends``, ``window`` elsewhere. A selection, not a
-  product with 0: a NaN never reaches the next window."""
+  product with 0: a NaN never reaches the next window. The noise
+  measurements are left as they are (:func:`~optax_accum._core._noise.closed`
+  ends them)."""
 
   def zero(x: jax.Array) -> jax.Array:
     return jnp.where(ends, jnp.zeros_like(x), x)
 
-  return Window(*map(lambda field: jax.tree.map(zero, field), window))
+  sums = Window._fields[:-1]
+  return window._replace(**{f: jax.tree.map(zero, getattr(window, f)) for f in sums})
 
 
 def mean_loss(window: Window, shares: bool = False) -> jax.Array:

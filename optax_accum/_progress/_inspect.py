@@ -3,11 +3,14 @@ state, for logging and evaluation."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
 from optax.contrib import ScheduleFreeState
 
+from optax_accum._core import _noise
 from optax_accum._core._hyperparams import find_states
 from optax_accum._core._multi_steps import MultiStepsState
 from optax_accum._progress._schedules import ProgressState
@@ -77,7 +80,9 @@ def get_last_window(opt_state: optax.OptState) -> dict[str, jax.Array]:
   Returns:
     ``{"loss": ..., "weight": ...}``: the window's loss
     (:meth:`MultiSteps.window_loss`; 0 without ``loss=``) and total weight,
-    both 0 before the first window ends.
+    both 0 before the first window ends. With ``MultiSteps(noise_scale=True)``
+    also ``"noise_scale"``: the window's estimates as the train step's metric
+    reports them (``docs/noise_scale.md``).
 
   Raises:
     ValueError: If there is no :class:`optax_accum.MultiStepsState`.
@@ -98,10 +103,13 @@ def get_last_window(opt_state: optax.OptState) -> dict[str, jax.Array]:
       "No optax_accum.MultiStepsState in this optimizer state: the window's "
       "loss is kept by optax_accum.MultiSteps."
     )
-  return {
+  window: dict[str, Any] = {
     "loss": jnp.asarray(found[0].last_window_loss),
     "weight": jnp.asarray(found[0].last_window_weight),
   }
+  if _noise.measures(found[0].noise_scale):
+    window["noise_scale"] = _noise.last(jax.tree.map(jnp.asarray, found[0].noise_scale))
+  return window
 
 
 def schedule_free_eval_params(

@@ -55,9 +55,10 @@ def candidate(
   over the same ``Explicit`` mesh axes, and params on that mesh not split
   over them (FSDP's gradients are reduce-scattered per micro-batch by XLA).
   ``on_nonfinite="skip_micro_batch"`` checks each micro-batch's whole
-  gradient, so it keeps the reduction per micro-batch.
+  gradient, and ``noise_scale`` measures it, so they keep the reduction per
+  micro-batch.
   """
-  if config.on_nonfinite == "skip_micro_batch":
+  if config.on_nonfinite == "skip_micro_batch" or config.noise_scale:
     return None
   dim = 1 if scan else 0
   found = set()

@@ -126,8 +126,8 @@ class Layouts:
     if self._replica_axes:
       axes = self._replica_axes
       return None if split & set(axes) else DataLayout(mesh, axes)
-    if config.on_nonfinite == "skip_micro_batch":
-      return None
+    if config.on_nonfinite == "skip_micro_batch" or config.noise_scale:
+      return None  # Reduced per micro-batch (see _deferred.candidate).
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     axes = tuple(
       a for a in mesh.axis_names if types[a] == AxisType.Explicit and a not in split

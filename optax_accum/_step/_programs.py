@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_accum._core import _checks, _ending, _reduction, _terms
+from optax_accum._core import _checks, _ending, _noise, _reduction, _terms
 from optax_accum._core import _transitions as ms
 from optax_accum._core._hyperparams import get_hyperparams
 from optax_accum._core._multi_steps import MultiSteps
@@ -76,6 +76,9 @@ def metrics(
   }
   if lr is not None:
     out["learning_rate"] = lr
+  noise = _noise.metric(new.noise_scale, new.updated)
+  if noise is not None:
+    out["noise_scale"] = noise
   if config.terms is not None:
     out["terms"] = _terms.term_metrics(window, config.terms)
   return out

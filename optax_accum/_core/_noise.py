@@ -1,0 +1,191 @@
+r"""The gradient noise scale of each window, from the window's own units.
+
+A window's *units* are the gradients it adds: one per micro-batch, or one per
+micro-batch and replica where each replica passes its own (``axis_name``).
+Unit :math:`i` is the mean gradient :math:`g_i` over its :math:`w_i` items;
+the window's gradient is :math:`G = \sum_i w_i g_i / W`, :math:`W = \sum_i w_i`.
+If items draw independent gradients of mean :math:`\mu` and covariance
+:math:`\Sigma`, then :math:`E|g_i|^2 = |\mu|^2 + \operatorname{tr}\Sigma / w_i`,
+so with :math:`A = \sum_i w_i |g_i|^2 / W` and :math:`k` units of positive
+weight
+
+.. math::
+  \widehat{\operatorname{tr}\Sigma} = \frac{W (A - |G|^2)}{k - 1}, \qquad
+  \widehat{|\mu|^2} = \frac{k |G|^2 - A}{k - 1}
+
+are unbiased for any weights (McCandlish et al.'s estimators are the case of
+equal ones), and :math:`B_\text{simple} = \operatorname{tr}\Sigma / |\mu|^2`
+(``docs/noise_scale.md``). The window adds :math:`w_i |g_i|^2` as each unit
+arrives, summed over replicas in the reduction that sums the weights: no
+collective of its own.
+
+Examples:
+  Two units of 1 and 3 items, gradients 1 and 3 (:math:`G = 2.5`,
+  :math:`A = 7`):
+
+  >>> import jax.numpy as jnp
+  >>> noise = empty(jnp.float32)
+  >>> for g, w in [(1.0, 1.0), (3.0, 3.0)]:
+  ...   share = unit_share(jnp.array(g), jnp.float32(w), jnp.array(True), "mean")
+  ...   noise = noise._replace(acc_squares=noise.acc_squares + share,
+  ...                          acc_units=noise.acc_units + 1)
+  >>> done = closed(noise, jnp.float32(6.25), jnp.float32(4.0), jnp.array(True),
+  ...               jnp.array(True), "mean")
+  >>> float(done.trace), float(done.squared_norm), float(done.units)
+  (3.0, 5.5, 2.0)
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+
+
+class NoiseScaleState(NamedTuple):
+  """The window's noise measurements (``MultiSteps(noise_scale=True)``).
+
+  Attributes:
+    acc_squares: float ``[]``, the weight's dtype. The window's running sum of
+      :math:`w_i |g_i|^2` over its units (of :math:`|x_i|^2 / w_i` for
+      gradients :math:`x_i` of sums or of shares of the window's mean).
+    acc_units: Like ``acc_squares``. Units with positive weight so far.
+    squared_norm: Like ``acc_squares``. The last window's unbiased estimate of
+      the true gradient's squared norm :math:`|\\mu|^2`.
+    trace: Like ``acc_squares``. The last window's unbiased estimate of
+      :math:`\\operatorname{tr}\\Sigma`, the per-item gradient covariance's trace.
+    units: Like ``acc_squares``. The last window's units: 0 for a window that
+      applied no update; an estimate needs 2 or more.
+  """
+
+  acc_squares: jax.Array
+  acc_units: jax.Array
+  squared_norm: jax.Array
+  trace: jax.Array
+  units: jax.Array
+
+
+def empty(dtype: DTypeLike) -> NoiseScaleState:
+  """No units yet and no window measured; each field its own buffer."""
+  return NoiseScaleState(*(jnp.zeros([], dtype) for _ in NoiseScaleState._fields))
+
+
+def measures(noise: Any) -> bool:
+  """Whether a state's ``noise_scale`` field measures (it is ``()`` if not)."""
+  return isinstance(noise, NoiseScaleState)
+
+
+def _square_sum(grads: Any, dtype: Any) -> jax.Array:
+  """The squared norm of ``grads`` (any layout: packed groups hold the same
+  elements) in ``dtype``."""
+  leaves = [jnp.abs(jnp.asarray(g)).astype(dtype) for g in jax.tree.leaves(grads)]
+  if not leaves:
+    return jnp.zeros([], dtype)
+  return jnp.sum(jnp.stack([jnp.sum(jnp.square(g)) for g in leaves]))
+
+
+def unit_share(
+  grads: Any, weight: jax.Array, adds: jax.Array, grad_reduction: str
+) -> jax.Array:
+  """One unit's term of ``acc_squares``: :math:`w |g|^2` for a gradient of a
+  mean, :math:`|x|^2 / w` for one of a sum (or of a share of the window's
+  mean); 0 where the unit does not add."""
+  dtype = weight.dtype
+  squares = _square_sum(grads, dtype)
+  safe = jnp.where(weight > 0, weight, jnp.ones_like(weight))
+  share = squares * weight if grad_reduction == "mean" else squares / safe
+  return jnp.where(adds, share, jnp.zeros_like(share))
+
+
+def check_own(grads: Any, reduction: Any) -> None:
+  """Raises ``ValueError`` where a gradient is not this unit's own: summed
+  over replicas by JAX already, or a partial sum of one."""
+  for path, g in jax.tree_util.tree_leaves_with_path(grads):
+    spec = getattr(jax.typeof(g).sharding, "spec", None)
+    summed = reduction.summed_already(g) or tuple(getattr(spec, "unreduced", ()))
+    if summed:
+      raise ValueError(
+        f"`updates` leaf {jax.tree_util.keystr(path)} is summed over mesh axis "
+        f"{summed[0]!r} already, so the noise scale cannot see each replica's "
+        "own gradient. Pass each replica's gradient (params made per-replica: "
+        "jax.lax.pcast(params, axis, to='varying'), as make_train_step does), "
+        "or measure without noise_scale=True."
+      )
+
+
+def added(
+  noise: NoiseScaleState,
+  weight: jax.Array,
+  share: jax.Array,
+  adds: jax.Array,
+  reduction: Any,
+) -> tuple[jax.Array, NoiseScaleState]:
+  """The micro-batch's weight summed over replicas, and ``noise`` with its
+  units added: one reduction for the three."""
+  local = jnp.stack([weight, share, adds.astype(weight.dtype)])
+  total = reduction.sum(local)
+  return total[0], noise._replace(
+    acc_squares=noise.acc_squares + total[1].astype(noise.acc_squares.dtype),
+    acc_units=noise.acc_units + total[2].astype(noise.acc_units.dtype),
+  )
+
+
+def closed(
+  noise: NoiseScaleState,
+  squares: jax.Array,
+  weight: jax.Array,
+  ends: jax.Array,
+  applies: jax.Array,
+  grad_reduction: str,
+) -> NoiseScaleState:
+  """``noise`` after the window's end (where ``ends``): the window's estimates
+  where it applied an update with 2 or more units (else 0, and ``units`` 0
+  where it applied none), the running sums reset.
+
+  Args:
+    noise: The window's measurements with its last micro-batch added.
+    squares: :math:`|G|^2`, the squared norm of the window's mean gradient.
+    weight: :math:`W`, the window's weight.
+    ends: Whether the window ends.
+    applies: Whether it applies an update.
+    grad_reduction: As ``MultiSteps`` takes it (shares of the window's mean
+      are scaled by :math:`W^2` here).
+  """
+  dtype = noise.acc_squares.dtype
+  squares, weight = squares.astype(dtype), weight.astype(dtype)
+  k = noise.acc_units
+  positive = weight > 0
+  w = jnp.where(positive, weight, jnp.ones_like(weight))
+  sums = noise.acc_squares * (w * w if grad_reduction == "window_mean" else 1)
+  mean_square = sums / w  # A.
+  many = applies & (k >= 2)
+  spread = jnp.where(many, k - 1, jnp.ones_like(k))
+  trace = jnp.where(many, w * (mean_square - squares) / spread, jnp.zeros_like(k))
+  norm = jnp.where(many, (k * squares - mean_square) / spread, jnp.zeros_like(k))
+  units = jnp.where(applies, k, jnp.zeros_like(k))
+  zero = jnp.zeros_like(k)
+  return NoiseScaleState(
+    acc_squares=jnp.where(ends, zero, noise.acc_squares),
+    acc_units=jnp.where(ends, zero, k),
+    squared_norm=jnp.where(ends, norm, noise.squared_norm),
+    trace=jnp.where(ends, trace, noise.trace),
+    units=jnp.where(ends, units, noise.units),
+  )
+
+
+def metric(noise: Any, updated: jax.Array) -> dict[str, jax.Array] | None:
+  """The step's ``noise_scale`` metric: the window's estimates if the call
+  ended one with an update, zeros (``units`` 0) otherwise; ``None`` when the
+  state does not measure."""
+  if not measures(noise):
+    return None
+  fields = {"squared_norm": noise.squared_norm, "trace": noise.trace}
+  fields["units"] = noise.units
+  return {name: jnp.where(updated, x, jnp.zeros_like(x)) for name, x in fields.items()}
+
+
+def last(noise: Any) -> dict[str, jax.Array]:
+  """The last window's estimates as a dict (what the metric reports)."""
+  return metric(noise, jnp.array(True)) or {}

@@ -1,0 +1,184 @@
+r"""Adam whose hyperparameters follow the window's size, for batch-size ramps.
+
+When a window holds :math:`\kappa` times the items of a reference window,
+the rules that keep training on the same path (``docs/noise_scale.md``) are:
+
+- each moving average's decay per update becomes :math:`\beta^\kappa`, so
+  its half-life stays the same number of items (Busbridge et al. 2023's EMA
+  scaling rule; Malladi et al. 2022's :math:`1 - \beta \to \kappa (1 - \beta)`
+  to first order);
+- the learning rate grows as :math:`\sqrt{\kappa}` (Malladi et al. 2022's
+  square-root rule for Adam; :math:`\kappa` for SGD).
+
+Both read ``window_weight``, the extra argument :class:`optax_accum.MultiSteps`
+passes its inner optimizer at the end of every window.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.typing import ArrayLike
+
+from optax_accum._core._multi_steps import WINDOW_WEIGHT
+
+
+def _ratio(extra_args: dict[str, Any], reference_weight: float) -> jax.Array:
+  """:math:`\\kappa`: the window's weight over the reference's (1 without
+  ``window_weight``)."""
+  weight = extra_args.get(WINDOW_WEIGHT)
+  if weight is None:
+    return jnp.ones([], jnp.float32)
+  ratio = jnp.asarray(weight, jnp.float32) / jnp.float32(reference_weight)
+  return jnp.where(jnp.isfinite(ratio) & (ratio > 0), ratio, jnp.float32(1))
+
+
+def _check_reference(reference_weight: Any) -> float:
+  if isinstance(reference_weight, bool) or not (
+    isinstance(reference_weight, int | float) and reference_weight > 0
+  ):
+    raise ValueError(
+      "`reference_weight` must be a number > 0 (the items of the window the "
+      f"hyperparameters were tuned for), got {reference_weight!r}."
+    )
+  return float(reference_weight)
+
+
+class ScaleByAdamInItemsState(NamedTuple):
+  """State of :func:`scale_by_adam_in_items`.
+
+  Attributes:
+    updates: int32 ``[]``. Updates so far.
+    mu: Like params. The first moment.
+    nu: Like params. The second moment.
+    decay1: float32 ``[]``. The product of the first moment's decays so far
+      (its bias correction is ``1 - decay1``).
+    decay2: float32 ``[]``. Likewise for the second moment.
+  """
+
+  updates: jax.Array
+  mu: optax.Updates
+  nu: optax.Updates
+  decay1: jax.Array
+  decay2: jax.Array
+
+
+def scale_by_adam_in_items(
+  b1: ArrayLike = 0.9,
+  b2: ArrayLike = 0.999,
+  eps: ArrayLike = 1e-8,
+  *,
+  reference_weight: float,
+) -> optax.GradientTransformationExtraArgs:
+  r"""``optax.scale_by_adam`` with its decays per item, not per update.
+
+  An update that ends a window of weight :math:`W` decays the moments by
+  :math:`\beta^{W / W_\text{ref}}`; bias correction divides by one minus the
+  product of the decays so far. At :math:`W = W_\text{ref}` it is
+  ``optax.scale_by_adam``.
+
+  Args:
+    b1: The first moment's decay per ``reference_weight`` items.
+    b2: The second moment's decay per ``reference_weight`` items.
+    eps: Added to the denominator.
+    reference_weight: The items of the window ``b1`` and ``b2`` were tuned for.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_accum
+    >>> adam = optax_accum.scale_by_adam_in_items(b2=0.99, reference_weight=4)
+    >>> state = adam.init(jnp.zeros(()))
+    >>> _, state = adam.update(jnp.ones(()), state, window_weight=8.0)
+    >>> round(float(state.decay2), 6)  # 0.99 ** 2: twice the items.
+    0.9801
+  """
+  reference_weight = _check_reference(reference_weight)
+
+  def init(params: optax.Params) -> ScaleByAdamInItemsState:
+    one = jnp.ones([], jnp.float32)
+    zeros = optax.tree.zeros_like(params)
+    return ScaleByAdamInItemsState(
+      jnp.zeros([], jnp.int32), zeros, optax.tree.zeros_like(params), one, one
+    )
+
+  def update(
+    updates: optax.Updates,
+    state: ScaleByAdamInItemsState,
+    params: optax.Params | None = None,
+    **extra_args: Any,
+  ) -> tuple[optax.Updates, ScaleByAdamInItemsState]:
+    del params
+    ratio = _ratio(extra_args, reference_weight)
+    d1 = jnp.asarray(b1, jnp.float32) ** ratio
+    d2 = jnp.asarray(b2, jnp.float32) ** ratio
+    mu = optax.tree.update_moment(updates, state.mu, d1, 1)
+    nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, d2, 2)
+    decay1, decay2 = state.decay1 * d1, state.decay2 * d2
+
+    def scaled(m: jax.Array, v: jax.Array) -> jax.Array:
+      m_hat = m / (1 - decay1).astype(m.dtype)
+      v_hat = v / (1 - decay2).astype(v.dtype)
+      return m_hat / (jnp.sqrt(v_hat) + jnp.asarray(eps, v.dtype))
+
+    out = jax.tree.map(scaled, mu, nu)
+    updates_ = optax.safe_increment(state.updates)
+    return out, ScaleByAdamInItemsState(updates_, mu, nu, decay1, decay2)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def scale_by_window_weight(
+  reference_weight: float, power: ArrayLike = 0.5
+) -> optax.GradientTransformationExtraArgs:
+  r"""Scales updates by :math:`(W / W_\text{ref})^\text{power}`: the learning
+  rate's rule for a window of weight :math:`W` (0.5 for Adam, 1 for SGD).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax_accum
+    >>> scale = optax_accum.scale_by_window_weight(reference_weight=4)
+    >>> u, _ = scale.update(jnp.ones(()), scale.init(None), window_weight=16.0)
+    >>> float(u)
+    2.0
+  """
+  reference_weight = _check_reference(reference_weight)
+
+  def update(
+    updates: optax.Updates, state: Any, params: Any = None, **extra_args: Any
+  ) -> tuple[optax.Updates, Any]:
+    del params
+    factor = _ratio(extra_args, reference_weight) ** jnp.asarray(power, jnp.float32)
+    return jax.tree.map(lambda u: u * factor.astype(u.dtype), updates), state
+
+  return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update)
+
+
+def adamw_in_items(
+  learning_rate: optax.ScalarOrSchedule,
+  b1: ArrayLike = 0.9,
+  b2: ArrayLike = 0.999,
+  eps: ArrayLike = 1e-8,
+  weight_decay: ArrayLike = 1e-4,
+  *,
+  reference_weight: float,
+  lr_power: ArrayLike = 0.5,
+) -> optax.GradientTransformationExtraArgs:
+  r"""AdamW for windows of changing size: decays per item
+  (:func:`scale_by_adam_in_items`) and the learning rate times
+  :math:`(W / W_\text{ref})^\text{lr\_power}` (:func:`scale_by_window_weight`).
+  At :math:`W = W_\text{ref}` it is ``optax.adamw``. Pass it to
+  ``optax.inject_hyperparams`` for a :func:`progress_schedule` learning rate.
+
+  Examples:
+    >>> import optax, optax_accum
+    >>> opt = optax_accum.MultiSteps(
+    ...   optax_accum.adamw_in_items(1e-3, reference_weight=4096),
+    ...   every_k_schedule="end_window")
+  """
+  return optax.chain(
+    scale_by_adam_in_items(b1, b2, eps, reference_weight=reference_weight),
+    optax.add_decayed_weights(weight_decay),
+    scale_by_window_weight(reference_weight, lr_power),
+    optax.scale_by_learning_rate(learning_rate),
+  )
