@@ -301,3 +301,142 @@ def test_multi_steps_update_in_shard_map_adds_no_collective():
   ]
   counts = [t.count(" all-reduce(") + t.count(" all-reduce-start(") for t in texts]
   assert counts[0] == counts[1] > 0, counts
+
+
+# -- statistics of many windows -----------------------------------------------
+
+
+def _within_error(estimates, truth, what, z=4.0):
+  """The mean of ``estimates`` within ``z`` standard errors of ``truth``."""
+  estimates = np.asarray(estimates, np.float64)
+  error = estimates.std(ddof=1) / np.sqrt(len(estimates))
+  assert abs(estimates.mean() - truth) <= z * error, (
+    what,
+    estimates.mean(),
+    truth,
+    error,
+  )
+
+
+@pytest.mark.parametrize("weights", [(4, 4, 4, 4), (1, 3, 7, 2)])
+def test_synthetic_gradients_of_known_covariance(weights):
+  """Unit ``i`` draws ``N(mu, Sigma / w_i)``: the mean of the estimates is
+  the truth, and their variance what docs/noise_scale.md derives."""
+  d, windows, k = 6, 4000, len(weights)
+  rng = np.random.default_rng(0)
+  mu = rng.normal(size=d) * 0.5
+  lam = rng.uniform(0.5, 3.0, size=d)  # Sigma's eigenvalues (diagonal).
+  w = np.tile(np.asarray(weights, np.float64), windows)
+  z = rng.normal(size=(windows * k, d))
+  grads = jnp.asarray(mu + z * np.sqrt(lam / w[:, None]), jnp.float32)
+  opt = _sgd0(every_k_schedule=k)
+
+  @jax.jit
+  def run(grads, weights):
+    def body(state, xs):
+      _, state = opt.update(xs[0], state, weight=xs[1])
+      return state, (state.noise_scale.squared_norm, state.noise_scale.trace)
+
+    return jax.lax.scan(body, opt.init(jnp.zeros(d)), (grads, weights))[1]
+
+  squared, trace = (
+    np.asarray(x)[k - 1 :: k] for x in run(grads, jnp.asarray(w, jnp.float32))
+  )
+  total = float(sum(weights))
+  _within_error(trace, lam.sum(), "trace")
+  _within_error(squared, mu @ mu, "squared_norm")
+  var_trace = 2 * (lam**2).sum() / (k - 1)
+  var_squared = (
+    2 * (lam**2).sum() * k / ((k - 1) * total**2) + 4 * mu @ (lam * mu) / total
+  )
+  np.testing.assert_allclose(trace.var(ddof=1), var_trace, rtol=0.15)
+  np.testing.assert_allclose(squared.var(ddof=1), var_squared, rtol=0.15)
+
+
+POOL, HIDDEN, SLOTS = 48, 4, 8
+
+
+def _mlp_params():
+  rng = np.random.default_rng(2)
+  return {
+    "w1": jnp.asarray(rng.normal(size=(IN, HIDDEN)), jnp.float32),
+    "b1": jnp.zeros(HIDDEN, jnp.float32),
+    "w2": jnp.asarray(rng.normal(size=(HIDDEN, 1)) / 2, jnp.float32),
+  }
+
+
+def _example_loss(params, x, y):
+  h = jnp.tanh(x @ params["w1"] + params["b1"])
+  return ((h @ params["w2"])[0] - y) ** 2
+
+
+def mlp_loss(params, batch):
+  losses = jax.vmap(_example_loss, (None, 0, 0))(params, batch["x"], batch["y"])
+  n = batch["mask"].sum()
+  return (batch["mask"] * losses).sum() / jnp.maximum(n, 1), n
+
+
+def _pool():
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(POOL, IN)).astype(np.float32)
+  y = (np.sin(x.sum(1)) + rng.normal(size=POOL)).astype(np.float32)
+  return x, y
+
+
+def _direct(params):
+  """|mu|^2 and tr(Sigma) of the pool's per-example gradients (float64)."""
+  x, y = _pool()
+  per_example = jax.vmap(jax.grad(_example_loss), (None, 0, 0))(params, x, y)
+  flat = np.concatenate(
+    [np.asarray(g, np.float64).reshape(POOL, -1) for g in jax.tree.leaves(per_example)],
+    axis=1,
+  )
+  mean = flat.mean(0)
+  return mean @ mean, ((flat - mean) ** 2).sum(1).mean()
+
+
+def _drawn_window(rng, k, units, equal):
+  """``k`` micro-batches of ``units`` units each (SLOTS rows a unit), rows
+  drawn with replacement from the pool, each unit with its own count of
+  valid rows."""
+  x, y = _pool()
+  rows = units * SLOTS
+  index = rng.integers(POOL, size=(k, rows))
+  counts = np.full((k, units), 4) if equal else rng.integers(1, SLOTS + 1, (k, units))
+  mask = (np.arange(SLOTS)[None, None, :] < counts[..., None]).reshape(k, rows)
+  return {"x": x[index], "y": y[index], "mask": mask.astype(np.float32)}
+
+
+@pytest.mark.parametrize("equal", [True, False], ids=["equal", "unequal"])
+@pytest.mark.parametrize("devices", [1, 8])
+def test_against_per_example_gradients(devices, equal):
+  """Rows drawn at random from a pool: the mean of the windows' estimates is
+  the pool's |mu|^2 and tr(Sigma) from ``jax.vmap(jax.grad)``, within its
+  Monte-Carlo error; on 8 devices each replica's rows are a unit."""
+  params = _mlp_params()
+  squared, trace = _direct(params)
+  windows, k = (1200, 4) if devices == 1 else (300, 2)
+  optimizer = optax_accum.MultiSteps(optax.sgd(0.0), 1, noise_scale=True)
+  rng = np.random.default_rng(4)
+  if devices == 1:
+    step = optax_accum.make_train_step(mlp_loss, optimizer, mode="scan")
+    put = lambda tree: tree  # noqa: E731
+  else:
+    mesh = _mesh()
+    step = optax_accum.make_train_step(
+      mlp_loss, optimizer, mode="scan", axis_name="data"
+    )
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    put = lambda tree: jax.device_put(tree, NamedSharding(mesh, P(None, "data")))  # noqa: E731
+  state, seen = step.init(params), []
+  for _ in range(windows):
+    params, state, metrics = step(
+      params, state, put(_drawn_window(rng, k, devices, equal))
+    )
+    # Read each window: XLA:CPU's 8 simulated devices on 2 cores abort with a
+    # rendezvous timeout when hundreds of collective programs are queued (a
+    # hand-written shard_map psum loop too).
+    seen.append(jax.device_get(metrics["noise_scale"]))
+  assert {float(s["units"]) for s in seen} == {float(k * devices)}
+  _within_error([s["trace"] for s in seen], trace, "trace")
+  _within_error([s["squared_norm"] for s in seen], squared, "squared_norm")
