@@ -440,3 +440,82 @@ def test_against_per_example_gradients(devices, equal):
   assert {float(s["units"]) for s in seen} == {float(k * devices)}
   _within_error([s["trace"] for s in seen], trace, "trace")
   _within_error([s["squared_norm"] for s in seen], squared, "squared_norm")
+
+
+# -- policies, checkpoints and cost -------------------------------------------
+
+
+def test_what_cannot_be_measured_is_refused():
+  with pytest.raises(ValueError, match="with loss terms"):
+    _sgd0(every_k_schedule=2, terms=("a", "b"))
+  with pytest.raises(ValueError, match="`noise_scale` must be a bool"):
+    _sgd0(every_k_schedule=2).replace(noise_scale="yes")
+  coupled = optax_accum.CoupledLoss(lambda p, b: b, lambda z, b: (z.sum(), 1.0))
+  with pytest.raises(ValueError, match="A CoupledLoss cannot measure the noise"):
+    optax_accum.make_train_step(coupled, _sgd0(every_k_schedule=2), mode="scan")
+  plain = optax_accum.MultiSteps(optax.sgd(0.0), 2).init(_params())
+  with pytest.raises(ValueError, match=r"has no noise_scale field.*state._replace"):
+    _sgd0(every_k_schedule=2).update(_params(), plain, weight=1.0)
+
+
+def test_a_gradient_summed_over_replicas_already_is_refused():
+  """Under shard_map with check_vma, params that enter replicated get
+  gradients JAX summed already: no replica's own gradient is left to
+  measure."""
+  mesh = jax.make_mesh((8,), ("data",))
+  opt = _sgd0(every_k_schedule=2, axis_name="data", grad_reduction="sum")
+
+  def micro_step(params, state, batch):
+    (_, n), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    return opt.update(grads, state, params, weight=n)[1]
+
+  run = jax.shard_map(
+    micro_step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=P()
+  )
+  params = jax.device_put(_params(), NamedSharding(mesh, P()))
+  batch = jax.device_put(_micro_batches(1)[0], NamedSharding(mesh, P("data")))
+  with pytest.raises(ValueError, match=r"leaf \['b'\] is summed over mesh axis 'data'"):
+    jax.jit(run)(params, opt.init(params), batch)
+
+
+def test_a_mid_window_checkpoint_resumes_the_measurement(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  micro_batches = _micro_batches(2 * K, seed=8)
+  opt = _sgd0(every_k_schedule=K)
+  step = optax_accum.make_train_step(loss_fn, opt)
+  params = _params()
+  state = step.init(params)
+  for mb in micro_batches[: K + 2]:
+    params, state, _ = step(params, state, mb)
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "ckpt", {"params": params, "opt": state})
+  checkpointer.wait_until_finished()
+  fresh = _params()
+  target = {"params": fresh, "opt": step.init(fresh)}
+  restored = ocp.StandardCheckpointer().restore(tmp_path / "ckpt", target)
+  params, state = restored["params"], restored["opt"]
+  for mb in micro_batches[K + 2 :]:
+    params, state, metrics = step(params, state, mb)
+  want = _expected_windows(_params(), [micro_batches[K:]])[0]
+  _close(metrics["noise_scale"], want)
+  back = optax_accum.relayout(state, opt.init(params))  # Any layout keeps it.
+  assert back.noise_scale is state.noise_scale
+
+
+def test_the_measurement_costs_one_squared_norm_a_micro_step():
+  """Off, the program is the one without the feature (its FLOPs are
+  tests/test_program_costs.py's); on, the compiled micro-step adds at most
+  one squared norm of the gradient (2 FLOPs an element) and a few scalars."""
+  params = {f"w{i}": jnp.ones((64, 32), jnp.float32) for i in range(4)}
+  size = sum(p.size for p in jax.tree.leaves(params))
+
+  def flops(opt):
+    def micro_step(grads, state):
+      return opt.update(grads, state, params, weight=3.0)
+
+    lowered = jax.jit(micro_step).lower(params, opt.init(params))
+    return lowered.compile().cost_analysis()["flops"]
+
+  off = flops(optax_accum.MultiSteps(optax.adamw(1e-3), K))
+  on = flops(optax_accum.MultiSteps(optax.adamw(1e-3), K, noise_scale=True))
+  assert 0 < on - off <= 2 * size + 100, (off, on, size)

@@ -158,6 +158,13 @@ def add_micro_batch(
     ref_name="the accumulator (from init(params); a train step's state, "
     "packed or per replica, goes back to that step)",
   )
+  if config.noise_scale and not _noise.measures(state.noise_scale):
+    raise ValueError(
+      "This MultiSteps measures the noise scale (noise_scale=True) but `state` "
+      "has no noise_scale field (from an accumulator without it, or restored "
+      "from such a checkpoint). Start measuring with state._replace("
+      "noise_scale=opt.init(params).noise_scale)."
+    )
   counted, skip_state = _screened(config, state, grads, weight, params, reduction)
   grads, weight, loss = _per_term(config, grads, weight, loss)
   window = window_of(config, state)

@@ -20,31 +20,36 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.typing import ArrayLike
 
 from optax_accum._core._multi_steps import WINDOW_WEIGHT
 
 
-def _ratio(extra_args: dict[str, Any], reference_weight: float) -> jax.Array:
+def _ratio(extra_args: dict[str, Any], reference_weight: Any) -> jax.Array:
   """:math:`\\kappa`: the window's weight over the reference's (1 without
   ``window_weight``)."""
   weight = extra_args.get(WINDOW_WEIGHT)
   if weight is None:
     return jnp.ones([], jnp.float32)
-  ratio = jnp.asarray(weight, jnp.float32) / jnp.float32(reference_weight)
+  ratio = jnp.asarray(weight, jnp.float32) / jnp.asarray(reference_weight, jnp.float32)
   return jnp.where(jnp.isfinite(ratio) & (ratio > 0), ratio, jnp.float32(1))
 
 
-def _check_reference(reference_weight: Any) -> float:
-  if isinstance(reference_weight, bool) or not (
-    isinstance(reference_weight, int | float) and reference_weight > 0
-  ):
+def _check_reference(reference_weight: Any) -> Any:
+  """``reference_weight``, checked where its value is known (an
+  ``optax.inject_hyperparams`` argument is traced)."""
+  if isinstance(reference_weight, jax.core.Tracer):
+    return reference_weight
+  value = np.asarray(reference_weight)
+  numeric = value.dtype.kind in "iuf" and not value.shape
+  if not numeric or not value > 0:
     raise ValueError(
       "`reference_weight` must be a number > 0 (the items of the window the "
       f"hyperparameters were tuned for), got {reference_weight!r}."
     )
-  return float(reference_weight)
+  return reference_weight
 
 
 class ScaleByAdamInItemsState(NamedTuple):

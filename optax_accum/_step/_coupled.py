@@ -163,6 +163,12 @@ def coupled_optimizer(coupled: CoupledLoss, optimizer: MultiSteps) -> MultiSteps
       "A CoupledLoss runs under plain jit, where the window's representations "
       "are global on any mesh: drop axis_name."
     )
+  if config.noise_scale:
+    raise ValueError(
+      "A CoupledLoss cannot measure the noise scale (noise_scale=True): its "
+      "micro-batches' gradients are parts of one window's loss, not samples "
+      "of it. Build the MultiSteps without noise_scale."
+    )
   return optimizer.replace(terms=coupled.terms)
 
 

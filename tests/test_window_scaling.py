@@ -1,0 +1,82 @@
+"""Adam whose decays count items, and the learning rate's window rule."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_accum
+
+
+def _grads(n, seed=0):
+  rng = np.random.default_rng(seed)
+  return [{"w": jnp.asarray(rng.normal(size=(3, 2)), jnp.float32)} for _ in range(n)]
+
+
+def _run(opt, grads, weights):
+  params = {"w": jnp.ones((3, 2), jnp.float32)}
+  state = opt.init(params)
+  for g, w in zip(grads, weights, strict=True):
+    updates, state = opt.update(g, state, params, window_weight=jnp.float32(w))
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+def test_at_the_reference_weight_it_is_optax_adamw():
+  grads = _grads(10)
+  ours = optax_accum.adamw_in_items(1e-2, weight_decay=1e-3, reference_weight=64)
+  theirs = optax.adamw(1e-2, weight_decay=1e-3)
+  want, _ = _run(optax.with_extra_args_support(theirs), grads, [64] * 10)
+  got, _ = _run(ours, grads, [64] * 10)
+  np.testing.assert_allclose(got["w"], want["w"], rtol=1e-6)
+
+
+def test_moments_decay_per_item():
+  """Windows of twice the items decay the moments as two windows of the
+  reference do: the half-lives count items."""
+  g = _grads(1)[0]
+  adam = optax_accum.scale_by_adam_in_items(b1=0.8, b2=0.95, reference_weight=10)
+  _, big = _run(adam, [g] * 3, [20] * 3)
+  _, small = _run(adam, [g] * 6, [10] * 6)
+  for name in ("mu", "nu"):
+    np.testing.assert_allclose(
+      getattr(big, name)["w"], getattr(small, name)["w"], rtol=1e-6
+    )
+  np.testing.assert_allclose(big.decay2, 0.95**6, rtol=1e-6)
+
+
+def test_learning_rate_rule():
+  g = {"w": jnp.ones(2)}
+  sqrt_rule = optax_accum.scale_by_window_weight(reference_weight=8)
+  linear = optax_accum.scale_by_window_weight(reference_weight=8, power=1.0)
+  for rule, want in ((sqrt_rule, 2.0), (linear, 4.0)):
+    u, _ = rule.update(g, rule.init(g), window_weight=32.0)
+    np.testing.assert_allclose(u["w"], want)
+  u, _ = sqrt_rule.update(g, sqrt_rule.init(g))  # No window weight: unscaled.
+  np.testing.assert_allclose(u["w"], 1.0)
+
+
+def test_in_multi_steps_the_window_weight_scales_the_step():
+  """Inside MultiSteps (and optax.inject_hyperparams, for a learning rate
+  counted in items) the window's weight sets the rule's factor."""
+  lr = optax_accum.progress_schedule(lambda t: 0.1, unit="weight", per_update=4.0)
+  inner = optax.inject_hyperparams(optax_accum.adamw_in_items)(
+    learning_rate=lr, weight_decay=0.0, reference_weight=4.0
+  )
+  opt = optax_accum.MultiSteps(inner, every_k_schedule="end_window")
+  params = jnp.zeros(2)
+  state = opt.init(params)
+  update = jax.jit(
+    lambda s, w, end: opt.update(jnp.ones(2), s, params, weight=w, end_window=end)
+  )
+  u, state = update(
+    state, 16.0, True
+  )  # 4 times the reference: Adam's first step times 2.
+  np.testing.assert_allclose(u, -0.2, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, True, "64", [1.0, 2.0]])
+def test_a_bad_reference_weight_is_refused(bad):
+  with pytest.raises(ValueError, match="`reference_weight` must be a number > 0"):
+    optax_accum.scale_by_adam_in_items(reference_weight=bad)
