@@ -52,6 +52,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.accelerator
 	$(PY) -m benchmarks.loss_terms
 	$(PY) -m benchmarks.coupled
+	$(PY) -m benchmarks.noise_scale
 	$(PY) -m benchmarks.compile
 
 ## notebooks: re-execute the notebooks in place, so their committed outputs are current.

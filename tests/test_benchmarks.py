@@ -160,3 +160,30 @@ def test_compile_benchmark_smoke():
   assert row["update_in_jit"]["instructions"] > 0
   table = compile_bench.markdown([row])
   assert table.splitlines()[2].count("x**") == len(compile_bench.PATHS)
+
+
+@pytest.mark.long  # 10 s of CPU: four steps compile; test_noise_scale.py covers the feature.
+def test_noise_scale_benchmark_smoke(tmp_path):
+  """``benchmarks/noise_scale.py`` times its four variants and reads the
+  programs' costs: on, a squared norm more than off."""
+  from benchmarks import noise_scale
+
+  rows = noise_scale.main(
+    [
+      "--model",
+      "lm-1x8-b2",
+      "--ks",
+      "2",
+      "--rounds",
+      "1",
+      "--windows",
+      "1",
+      "--out",
+      str(tmp_path),
+    ]
+  )
+  assert [r["mode"] for r in rows] == ["stream", "scan"]
+  for r in rows:
+    assert r["off_ms"] > 0 and r["on_ms"] > 0
+    assert r["flops"][1] > r["flops"][0] > 0
+  assert (tmp_path / "cpu-x86_64-noise-scale.md").exists()

@@ -73,7 +73,7 @@ def empty(dtype: DTypeLike) -> NoiseScaleState:
 
 
 def measures(noise: Any) -> bool:
-  """Whether a state's ``noise_scale`` field measures (it is ``()`` if not)."""
+  """Whether a state's ``noise_scale`` field measures (it is ``None`` if not)."""
   return isinstance(noise, NoiseScaleState)
 
 

@@ -104,7 +104,7 @@ def _children(state: MultiStepsState) -> tuple[tuple[Any, ...], int]:
   """A state's fields as pytree children, without ``noise_scale`` where it
   measures nothing (release 0.1.0's structure)."""
   names = MultiStepsState._fields
-  if not isinstance(state.noise_scale, tuple) or not state.noise_scale:
+  if state.noise_scale is None:
     names = names[:-1]
   children = tuple((jax.tree_util.GetAttrKey(n), getattr(state, n)) for n in names)
   return children, len(names)

@@ -48,7 +48,7 @@ class Window(NamedTuple):
     acc_weight: float ``[]``, float32 at least. The running sum of weights.
     acc_loss: Like ``acc_weight``. The running sum of ``weight * loss`` (or
       of ``loss``, for summed losses).
-    noise_scale: ``()``, or the window's noise measurements
+    noise_scale: ``None``, or the window's noise measurements
       (:class:`~optax_accum._core._noise.NoiseScaleState`), added with each
       unit's weight.
   """
@@ -57,7 +57,7 @@ class Window(NamedTuple):
   acc_grads: Any
   acc_weight: Any  # A scalar here; a tuple of them in a window of terms.
   acc_loss: Any
-  noise_scale: Any = ()
+  noise_scale: Any = None
 
 
 class Admission(NamedTuple):
