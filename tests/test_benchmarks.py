@@ -162,7 +162,7 @@ def test_compile_benchmark_smoke():
   assert table.splitlines()[2].count("x**") == len(compile_bench.PATHS)
 
 
-@pytest.mark.long  # 10 s of CPU: four steps compile; test_noise_scale.py covers the feature.
+@pytest.mark.long  # 10 s of CPU: four steps compile (test_noise_scale.py: the feature).
 def test_noise_scale_benchmark_smoke(tmp_path):
   """``benchmarks/noise_scale.py`` times its four variants and reads the
   programs' costs: on, a squared norm more than off."""
