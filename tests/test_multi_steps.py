@@ -591,6 +591,7 @@ def test_state_fields():
     "last_window_weight",
     "noise_scale",
   )
+
   # Without noise_scale=True the pytree is release 0.1.0's (its checkpoints
   # restore against it: test_legacy_checkpoints.py); with it, one node more.
   def top(s):
