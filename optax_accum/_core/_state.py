@@ -103,7 +103,7 @@ class MultiStepsState(NamedTuple):
 def _children(state: MultiStepsState) -> tuple[tuple[Any, ...], int]:
   """A state's fields as pytree children, without ``noise_scale`` where it
   measures nothing (release 0.1.0's structure)."""
-  names = MultiStepsState._fields
+  names: tuple[str, ...] = MultiStepsState._fields
   if state.noise_scale is None:
     names = names[:-1]
   children = tuple((jax.tree_util.GetAttrKey(n), getattr(state, n)) for n in names)
