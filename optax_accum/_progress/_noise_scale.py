@@ -45,8 +45,7 @@ def smooth_noise_scale(
   r"""Adds a window's noise measurements to moving averages; their ratio.
 
   .. math::
-    B_\text{simple} = \frac{\overline{\operatorname{tr}\Sigma}}
-      {\overline{|\mu|^2}}
+    B_\text{simple} = \frac{\overline{\operatorname{tr}\Sigma}}{\overline{|\mu|^2}}
 
   the critical batch size's simple estimate, in the weight's items (tokens,
   samples). A measurement of fewer than 2 units (a call that ended no
