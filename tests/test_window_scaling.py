@@ -43,7 +43,7 @@ def test_moments_decay_per_item():
     np.testing.assert_allclose(
       getattr(big, name)["w"], getattr(small, name)["w"], rtol=1e-6
     )
-  np.testing.assert_allclose(big.decay2, 0.95**6, rtol=1e-6)
+  np.testing.assert_allclose(np.exp(big.log_decay2), 0.95**6, rtol=1e-6)
 
 
 def test_learning_rate_rule():
@@ -80,3 +80,17 @@ def test_in_multi_steps_the_window_weight_scales_the_step():
 def test_a_bad_reference_weight_is_refused(bad):
   with pytest.raises(ValueError, match="`reference_weight` must be a number > 0"):
     optax_accum.scale_by_adam_in_items(reference_weight=bad)
+
+
+def test_tiny_windows_and_narrow_dtypes():
+  """A window of a millionth of the reference decays by less than float32
+  can tell from 1: the bias correction still divides by a positive number.
+  bfloat16 gradients keep their dtype (strict promotion: no float32 mixed in)."""
+  adam = optax_accum.scale_by_adam_in_items(reference_weight=1e6)
+  g = {"w": jnp.ones(3, jnp.bfloat16)}
+  u, state = adam.update(g, adam.init(g), window_weight=1.0)
+  assert u["w"].dtype == state.mu["w"].dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(u["w"], np.float32), 1.0, rtol=1e-2)
+  rule = optax_accum.scale_by_window_weight(reference_weight=2)
+  u, _ = rule.update(g, rule.init(g), window_weight=8.0)
+  assert u["w"].dtype == jnp.bfloat16

@@ -140,6 +140,8 @@ def end(
     start = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)), like)
   carry = (start, added.inner_opt_state, jnp.zeros_like(squares))
   target, inner, norm = once_if(applies, update, carry)
+  if config.noise_scale:  # Over a model axis' shards of the window's gradient.
+    squares = reduction.over_shards(squares, added.acc_weight)
   state = ms.closed(
     config, added, ends, nonfinite, applies, inner, divided_loss=loss, squares=squares
   )

@@ -24,9 +24,11 @@ Examples:
   :math:`A = 7`):
 
   >>> import jax.numpy as jnp
+  >>> from optax_accum._core import _reduction
   >>> noise = empty(jnp.float32)
   >>> for g, w in [(1.0, 1.0), (3.0, 3.0)]:
-  ...   share = unit_share(jnp.array(g), jnp.float32(w), jnp.array(True), "mean")
+  ...   share = unit_share(jnp.array(g), jnp.float32(w), jnp.array(True), "mean",
+  ...                      _reduction.Local())
   ...   noise = noise._replace(acc_squares=noise.acc_squares + share,
   ...                          acc_units=noise.acc_units + 1)
   >>> done = closed(noise, jnp.float32(6.25), jnp.float32(4.0), jnp.array(True),
@@ -57,7 +59,8 @@ class NoiseScaleState(NamedTuple):
     trace: Like ``acc_squares``. The last window's unbiased estimate of
       :math:`\\operatorname{tr}\\Sigma`, the per-item gradient covariance's trace.
     units: Like ``acc_squares``. The last window's units: 0 for a window that
-      applied no update; an estimate needs 2 or more.
+      applied no update (or whose squares overflowed); an estimate needs 2 or
+      more.
   """
 
   acc_squares: jax.Array
@@ -77,23 +80,29 @@ def measures(noise: Any) -> bool:
   return isinstance(noise, NoiseScaleState)
 
 
-def _square_sum(grads: Any, dtype: Any) -> jax.Array:
+def _square_sum(grads: Any, weight: jax.Array, reduction: Any) -> jax.Array:
   """The squared norm of ``grads`` (any layout: packed groups hold the same
-  elements) in ``dtype``."""
-  leaves = [jnp.abs(jnp.asarray(g)).astype(dtype) for g in jax.tree.leaves(grads)]
-  if not leaves:
-    return jnp.zeros([], dtype)
-  return jnp.sum(jnp.stack([jnp.sum(jnp.square(g)) for g in leaves]))
+  elements) in ``weight``'s dtype; a leaf split over model-parallel mesh axes
+  (inside ``shard_map``) is summed over its shards."""
+  total = jnp.zeros([], weight.dtype)
+  sums = []
+  for g in jax.tree.leaves(grads):
+    g = jnp.abs(jnp.asarray(g)).astype(weight.dtype)
+    sums.append(reduction.over_shards(jnp.sum(jnp.square(g)), weight))
+  return jnp.sum(jnp.stack(sums)) if sums else total
 
 
 def unit_share(
-  grads: Any, weight: jax.Array, adds: jax.Array, grad_reduction: str
+  grads: Any,
+  weight: jax.Array,
+  adds: jax.Array,
+  grad_reduction: str,
+  reduction: Any,
 ) -> jax.Array:
   """One unit's term of ``acc_squares``: :math:`w |g|^2` for a gradient of a
   mean, :math:`|x|^2 / w` for one of a sum (or of a share of the window's
   mean); 0 where the unit does not add."""
-  dtype = weight.dtype
-  squares = _square_sum(grads, dtype)
+  squares = _square_sum(grads, weight, reduction)
   safe = jnp.where(weight > 0, weight, jnp.ones_like(weight))
   share = squares * weight if grad_reduction == "mean" else squares / safe
   return jnp.where(adds, share, jnp.zeros_like(share))
@@ -162,9 +171,14 @@ def closed(
   mean_square = sums / w  # A.
   many = applies & (k >= 2)
   spread = jnp.where(many, k - 1, jnp.ones_like(k))
-  trace = jnp.where(many, w * (mean_square - squares) / spread, jnp.zeros_like(k))
-  norm = jnp.where(many, (k * squares - mean_square) / spread, jnp.zeros_like(k))
-  units = jnp.where(applies, k, jnp.zeros_like(k))
+  trace = w * (mean_square - squares) / spread
+  norm = (k * squares - mean_square) / spread
+  # Squares that overflowed (a finite gradient whose norm does not fit) give
+  # no estimate, as a window that applied none.
+  finite = jnp.isfinite(trace) & jnp.isfinite(norm)
+  trace = jnp.where(many & finite, trace, jnp.zeros_like(k))
+  norm = jnp.where(many & finite, norm, jnp.zeros_like(k))
+  units = jnp.where(applies & finite, k, jnp.zeros_like(k))
   zero = jnp.zeros_like(k)
   return NoiseScaleState(
     acc_squares=jnp.where(ends, zero, noise.acc_squares),

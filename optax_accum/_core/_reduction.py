@@ -125,6 +125,14 @@ class Local:
     own = frozenset().union(*[varying_axes(x) for x in jax.tree.leaves(window)])
     return _any_over(flag, tuple(sorted(varying_axes(flag) - own)))
 
+  def over_shards(self, x: jax.Array, window: Any = ()) -> jax.Array:
+    """``x`` summed over the model-parallel shards of one window: the mesh
+    axes it varies over and the ``window`` values (its weights) do not (see
+    :meth:`any`); ``x`` itself outside ``shard_map``."""
+    own = frozenset().union(*[varying_axes(v) for v in jax.tree.leaves(window)])
+    axes = tuple(sorted(varying_axes(x) - own - set(self.axes)))
+    return jax.lax.psum(x, axes) if axes else x
+
   def summed_already(self, x: Any) -> tuple[str, ...]:
     """The replica axes over which JAX already summed ``x``: none here."""
     del x

@@ -110,12 +110,20 @@ def _children(state: MultiStepsState) -> tuple[tuple[Any, ...], int]:
   return children, len(names)
 
 
+def _flat(state: MultiStepsState) -> tuple[tuple[Any, ...], int]:
+  """:func:`_children` without the keys: what every dispatch flattens."""
+  children = tuple(state) if state.noise_scale is not None else tuple(state)[:-1]
+  return children, len(children)
+
+
 def _from_children(count: int, children: Any) -> MultiStepsState:
   del count
   return MultiStepsState(*children)
 
 
-jax.tree_util.register_pytree_with_keys(MultiStepsState, _children, _from_children)
+jax.tree_util.register_pytree_with_keys(
+  MultiStepsState, _children, _from_children, _flat
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,12 +41,9 @@ _LINE_SEARCHES = (
 
 def window_of(config: MultiStepsConfig, state: MultiStepsState) -> _terms.Terms:
   """The window in progress of a state, one window per loss term."""
+  noise = state.noise_scale if config.noise_scale else None
   window = _window.Window(
-    state.mini_step,
-    state.acc_grads,
-    state.acc_weight,
-    state.acc_loss,
-    state.noise_scale,
+    state.mini_step, state.acc_grads, state.acc_weight, state.acc_loss, noise
   )
   return _terms.split(window, config.terms)
 
@@ -54,8 +51,12 @@ def window_of(config: MultiStepsConfig, state: MultiStepsState) -> _terms.Terms:
 def with_window(
   config: MultiStepsConfig, state: MultiStepsState, window: _terms.Terms
 ) -> MultiStepsState:
-  """``state`` holding ``window`` (see :func:`window_of`)."""
-  return state._replace(**_terms.joined(window, config.terms)._asdict())
+  """``state`` holding ``window`` (see :func:`window_of`); a window that does
+  not measure leaves the state's noise measurements as they are."""
+  fields = _terms.joined(window, config.terms)._asdict()
+  if fields["noise_scale"] is None:
+    del fields["noise_scale"]
+  return state._replace(**fields)
 
 
 def _screened(
@@ -162,8 +163,10 @@ def add_micro_batch(
     raise ValueError(
       "This MultiSteps measures the noise scale (noise_scale=True) but `state` "
       "has no noise_scale field (from an accumulator without it, or restored "
-      "from such a checkpoint). Start measuring with state._replace("
-      "noise_scale=opt.init(params).noise_scale)."
+      "from such a checkpoint). Start measuring at a window's start "
+      "(state.mini_step 0; mid-window the window's first micro-batches would "
+      "be missing from its sums) with state._replace(noise_scale="
+      "opt.init(params).noise_scale)."
     )
   counted, skip_state = _screened(config, state, grads, weight, params, reduction)
   grads, weight, loss = _per_term(config, grads, weight, loss)
@@ -283,7 +286,7 @@ def closed(
   and ``squares`` its gradient's squared norm (:func:`_terms.squares`)."""
   window = window_of(config, added)
   noise = added.noise_scale
-  if _noise.measures(noise):
+  if config.noise_scale:
     weight = _terms.weight(window)
     if not config.divides and config.grad_reduction != "window_mean":
       squares = squares / jnp.where(weight > 0, weight * weight, 1)  # Of the mean.

@@ -224,7 +224,7 @@ def add(
   if _noise.measures(noise):
     _noise.check_own(grads, reduction)
     mode = "mean" if weigh else "sum"
-    share = _noise.unit_share(grads, kept.weight, kept.adds, mode)
+    share = _noise.unit_share(grads, kept.weight, kept.adds, mode, reduction)
     total, noise = _noise.added(noise, kept.weight, share, kept.adds, reduction)
   else:
     total = reduction.sum(kept.weight)

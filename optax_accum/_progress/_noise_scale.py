@@ -63,7 +63,8 @@ def smooth_noise_scale(
   Returns:
     :math:`B_\text{simple}` (float32: 0 before any window is measured, inf
     where the smoothed :math:`|\mu|^2` is not positive, the noise swamping the
-    signal) and the new averages.
+    signal; negative where the smoothed trace is, early on with few units)
+    and the new averages.
 
   Examples:
     >>> import jax.numpy as jnp, optax_accum
@@ -77,7 +78,9 @@ def smooth_noise_scale(
     30.0
   """
   ema = _empty() if ema is None else ema
-  counts = jnp.asarray(measured["units"]) >= 2
+  parts = (jnp.asarray(measured["squared_norm"]), jnp.asarray(measured["trace"]))
+  finite = jnp.isfinite(parts[0]) & jnp.isfinite(parts[1])
+  counts = (jnp.asarray(measured["units"]) >= 2) & finite
   d = jnp.where(counts, jnp.asarray(decay, jnp.float32), jnp.float32(1))
 
   def mixed(old: jax.Array, new: ArrayLike) -> jax.Array:
@@ -85,9 +88,7 @@ def smooth_noise_scale(
     return d * old + (1 - d) * new
 
   ema = NoiseScaleEMA(
-    mixed(ema.squared_norm, measured["squared_norm"]),
-    mixed(ema.trace, measured["trace"]),
-    mixed(ema.total, 1.0),
+    mixed(ema.squared_norm, parts[0]), mixed(ema.trace, parts[1]), mixed(ema.total, 1.0)
   )
   signal, noise = ema.squared_norm, ema.trace  # The debiasing cancels in the ratio.
   ratio = noise / jnp.where(signal > 0, signal, jnp.float32(1))

@@ -59,16 +59,17 @@ class ScaleByAdamInItemsState(NamedTuple):
     updates: int32 ``[]``. Updates so far.
     mu: Like params. The first moment.
     nu: Like params. The second moment.
-    decay1: float32 ``[]``. The product of the first moment's decays so far
-      (its bias correction is ``1 - decay1``).
-    decay2: float32 ``[]``. Likewise for the second moment.
+    log_decay1: float32 ``[]``. The log of the product of the first moment's
+      decays so far (its bias correction is ``1 - exp(log_decay1)``, computed
+      as ``-expm1``: exact for decays close to 1).
+    log_decay2: float32 ``[]``. Likewise for the second moment.
   """
 
   updates: jax.Array
   mu: optax.Updates
   nu: optax.Updates
-  decay1: jax.Array
-  decay2: jax.Array
+  log_decay1: jax.Array
+  log_decay2: jax.Array
 
 
 def scale_by_adam_in_items(
@@ -96,17 +97,15 @@ def scale_by_adam_in_items(
     >>> adam = optax_accum.scale_by_adam_in_items(b2=0.99, reference_weight=4)
     >>> state = adam.init(jnp.zeros(()))
     >>> _, state = adam.update(jnp.ones(()), state, window_weight=8.0)
-    >>> round(float(state.decay2), 6)  # 0.99 ** 2: twice the items.
+    >>> round(float(jnp.exp(state.log_decay2)), 6)  # 0.99 ** 2: twice the items.
     0.9801
   """
   reference_weight = _check_reference(reference_weight)
 
   def init(params: optax.Params) -> ScaleByAdamInItemsState:
-    one = jnp.ones([], jnp.float32)
-    zeros = optax.tree.zeros_like(params)
-    return ScaleByAdamInItemsState(
-      jnp.zeros([], jnp.int32), zeros, optax.tree.zeros_like(params), one, one
-    )
+    zero = jnp.zeros([], jnp.float32)
+    mu, nu = optax.tree.zeros_like(params), optax.tree.zeros_like(params)
+    return ScaleByAdamInItemsState(jnp.zeros([], jnp.int32), mu, nu, zero, zero + 0)
 
   def update(
     updates: optax.Updates,
@@ -116,20 +115,27 @@ def scale_by_adam_in_items(
   ) -> tuple[optax.Updates, ScaleByAdamInItemsState]:
     del params
     ratio = _ratio(extra_args, reference_weight)
-    d1 = jnp.asarray(b1, jnp.float32) ** ratio
-    d2 = jnp.asarray(b2, jnp.float32) ** ratio
-    mu = optax.tree.update_moment(updates, state.mu, d1, 1)
-    nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, d2, 2)
-    decay1, decay2 = state.decay1 * d1, state.decay2 * d2
+    # Each decay as a log, its complement by expm1: exact however close to 1.
+    log1 = ratio * jnp.log(jnp.asarray(b1, jnp.float32))
+    log2 = ratio * jnp.log(jnp.asarray(b2, jnp.float32))
+    log_decay1, log_decay2 = state.log_decay1 + log1, state.log_decay2 + log2
+
+    def moment(g: jax.Array, m: jax.Array, log: jax.Array, power: int) -> jax.Array:
+      decay, rest = jnp.exp(log).astype(m.dtype), (-jnp.expm1(log)).astype(m.dtype)
+      g = jnp.square(jnp.abs(g)) if power == 2 else g
+      return decay * m + rest * g.astype(m.dtype)
+
+    mu = jax.tree.map(lambda g, m: moment(g, m, log1, 1), updates, state.mu)
+    nu = jax.tree.map(lambda g, v: moment(g, v, log2, 2), updates, state.nu)
 
     def scaled(m: jax.Array, v: jax.Array) -> jax.Array:
-      m_hat = m / (1 - decay1).astype(m.dtype)
-      v_hat = v / (1 - decay2).astype(v.dtype)
+      m_hat = m / (-jnp.expm1(log_decay1)).astype(m.dtype)
+      v_hat = v / (-jnp.expm1(log_decay2)).astype(v.dtype)
       return m_hat / (jnp.sqrt(v_hat) + jnp.asarray(eps, v.dtype))
 
     out = jax.tree.map(scaled, mu, nu)
     updates_ = optax.safe_increment(state.updates)
-    return out, ScaleByAdamInItemsState(updates_, mu, nu, decay1, decay2)
+    return out, ScaleByAdamInItemsState(updates_, mu, nu, log_decay1, log_decay2)
 
   return optax.GradientTransformationExtraArgs(init, update)
 
@@ -154,7 +160,7 @@ def scale_by_window_weight(
   ) -> tuple[optax.Updates, Any]:
     del params
     factor = _ratio(extra_args, reference_weight) ** jnp.asarray(power, jnp.float32)
-    return jax.tree.map(lambda u: u * factor.astype(u.dtype), updates), state
+    return jax.tree.map(lambda u: u * factor.astype(jnp.result_type(u)), updates), state
 
   return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update)
 

@@ -76,9 +76,8 @@ def metrics(
   }
   if lr is not None:
     out["learning_rate"] = lr
-  noise = _noise.metric(new.noise_scale, new.updated)
-  if noise is not None:
-    out["noise_scale"] = noise
+  if config.noise_scale:
+    out["noise_scale"] = _noise.metric(new.noise_scale, new.updated)
   if config.terms is not None:
     out["terms"] = _terms.term_metrics(window, config.terms)
   return out
