@@ -660,3 +660,20 @@ def test_an_accumulator_that_does_not_measure_leaves_the_field_alone():
   want = _expected_windows(_params(), [micro_batches[:K]])[0]
   _close(optax_accum.get_last_window(state)["noise_scale"], want)
   assert float(state.noise_scale.acc_units) == 0
+
+
+def test_a_release_0_1_0_flax_state_dict_restores_with_the_field_added():
+  """flax.serialization reads a named tuple's fields: a state dict saved
+  before the field existed restores once ``noise_scale`` is added as None
+  (docs/noise_scale.md), and a measuring state round-trips."""
+  serialization = pytest.importorskip("flax.serialization")
+  state = optax_accum.MultiSteps(optax.sgd(0.1), 2).init(_params())
+  old = serialization.to_state_dict(state)
+  del old["noise_scale"]  # As release 0.1.0 wrote it.
+  with pytest.raises(ValueError, match="field names"):
+    serialization.from_state_dict(state, old)
+  restored = serialization.from_state_dict(state, {**old, "noise_scale": None})
+  assert restored.noise_scale is None
+  measured = _sgd0(every_k_schedule=2).init(_params())
+  back = serialization.from_bytes(measured, serialization.to_bytes(measured))
+  assert isinstance(back.noise_scale, optax_accum.NoiseScaleState)
