@@ -17,7 +17,8 @@ are unbiased for any weights (McCandlish et al.'s estimators are the case of
 equal ones), and :math:`B_\text{simple} = \operatorname{tr}\Sigma / |\mu|^2`
 (``docs/noise_scale.md``). The window adds :math:`w_i |g_i|^2` as each unit
 arrives, summed over replicas in the reduction that sums the weights: no
-collective of its own.
+collective of its own (a leaf split over a model-parallel axis in
+``shard_map`` adds its shards' squares, a scalar's sum over that axis).
 
 Examples:
   Two units of 1 and 3 items, gradients 1 and 3 (:math:`G = 2.5`,
