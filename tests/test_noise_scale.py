@@ -421,7 +421,13 @@ def _drawn_window(rng, k, units, equal):
   return {"x": x[index], "y": y[index], "mask": mask.astype(np.float32)}
 
 
-@pytest.mark.parametrize("equal", [True, False], ids=["equal", "unequal"])
+# CI time: equal weights (the special case; test_synthetic_... takes them in CI)
+# in the long run.
+@pytest.mark.parametrize(
+  "equal",
+  [pytest.param(True, marks=pytest.mark.long), False],
+  ids=["equal", "unequal"],
+)
 @pytest.mark.parametrize("devices", [1, 8])
 def test_against_per_example_gradients(devices, equal):
   """Rows drawn at random from a pool: the mean of the windows' estimates is
