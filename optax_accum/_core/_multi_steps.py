@@ -70,6 +70,19 @@ def _packing(state: MultiStepsState) -> _layout.Packing | None:
   return acc.packing if isinstance(acc, _layout.Packed) else None
 
 
+def _warn_unweighted() -> None:
+  warnings.warn(
+    f"{NO_WEIGHT}: every micro-batch weighs 1, so a window's gradient is the "
+    "uniform mean of micro-batch means (optax.MultiSteps' behaviour), not the "
+    "whole batch's token mean. Pass weight=<items behind this micro-batch's "
+    "loss>, or weight=1 to ask for the uniform mean. Flax's own "
+    "TrainState.apply_gradients cannot pass a weight: use "
+    "optax_accum.flax.TrainState.",
+    UserWarning,
+    stacklevel=4,
+  )
+
+
 class MultiSteps:
   r"""Accumulates gradients over a window of micro-batches, weighted by items.
 
@@ -135,12 +148,9 @@ class MultiSteps:
       window (``docs/loss_terms.md``): ``updates``, ``weight`` and ``loss``
       are dicts by term name; the window's gradient is ``sum_t A_t / W_t``,
       one accumulator per term; ``window_weight`` is the first term's.
-    noise_scale: Measure each window's gradient noise scale from its units'
-      squared norms (``docs/noise_scale.md``): the state's ``noise_scale``
-      holds the last window's unbiased estimates of :math:`|\mu|^2` and
-      :math:`\operatorname{tr}\Sigma` (:func:`optax_accum.get_last_window`,
-      the train step's ``metrics["noise_scale"]``). One more squared norm a
-      micro-batch; not with ``terms``.
+    noise_scale: Measure each window's gradient noise scale, unbiased
+      :math:`|\mu|^2` and :math:`\operatorname{tr}\Sigma` in the state
+      (``docs/noise_scale.md``); one more squared norm a micro-batch.
 
   Examples:
     Two micro-batches with 1 and 3 tokens: the emitted gradient is the token
@@ -192,19 +202,9 @@ class MultiSteps:
 
   def _warn_unweighted(self) -> None:
     """Says once per instance, when traced, that no weight means optax's mean."""
-    if self._warned or self.config.grad_reduction == "window_mean":
-      return
-    self._warned = True
-    warnings.warn(
-      f"{NO_WEIGHT}: every micro-batch weighs 1, so a window's gradient is the "
-      "uniform mean of micro-batch means (optax.MultiSteps' behaviour), not the "
-      "whole batch's token mean. Pass weight=<items behind this micro-batch's "
-      "loss>, or weight=1 to ask for the uniform mean. Flax's own "
-      "TrainState.apply_gradients cannot pass a weight: use "
-      "optax_accum.flax.TrainState.",
-      UserWarning,
-      stacklevel=3,
-    )
+    if not (self._warned or self.config.grad_reduction == "window_mean"):
+      self._warned = True
+      _warn_unweighted()
 
   def replace(self, **changes: Any) -> MultiSteps:
     """A copy with some constructor arguments changed (``opt=`` included).

@@ -458,8 +458,9 @@ def make_train_step(
   ``skipped_micro_batches`` and ``skipped_windows`` (see
   :class:`optax_accum.MultiStepsState`), ``learning_rate`` when the optimizer
   injects one (a dict by group label when several groups do: see
-  :func:`get_hyperparams`), and ``aux`` with ``has_aux=True`` (stacked in scan
-  mode).
+  :func:`get_hyperparams`), ``noise_scale`` with ``MultiSteps(noise_scale=True)``
+  (the window's estimates: ``docs/noise_scale.md``), and ``aux`` with
+  ``has_aux=True`` (stacked in scan mode).
 
   ``optimizer`` can be a plain optax optimizer: in scan mode as it is, in
   streaming mode with ``every_k_schedule=``. The step then wraps it as
