@@ -81,7 +81,8 @@ class MultiStepsState(NamedTuple):
       norms and the last window's estimates of the gradient noise scale's two
       parts (``docs/noise_scale.md``). Otherwise ``None``, and not a node of
       the pytree: a state that does not measure has the structure of
-      release 0.1.0's, and its checkpoints restore against it.
+      release 0.1.0's, and its orbax checkpoints restore against it
+      (``flax.serialization``: ``docs/noise_scale.md``).
   """
 
   mini_step: jax.Array
