@@ -683,3 +683,72 @@ def test_a_release_0_1_0_flax_state_dict_restores_with_the_field_added():
   measured = _sgd0(every_k_schedule=2).init(_params())
   back = serialization.from_bytes(measured, serialization.to_bytes(measured))
   assert isinstance(back.noise_scale, optax_accum.NoiseScaleState)
+
+
+# -- a public trainer's estimator, ported ------------------------------------
+
+
+def _k_diffusion_estimates(per_replica, n_small, n_large):
+  """k-diffusion's gradient noise scale (``k_diffusion/gns.py``, used by its
+  ``train.py`` under DDP), ported: a hook takes each replica's squared norm
+  and averages them over replicas, then the squared norm of the averaged
+  gradient (what DDP applies); McCandlish et al.'s equal-size formulas follow
+  with the per-device batch size as ``n_small`` and the global one as
+  ``n_large``."""
+  small = np.mean([g @ g for g in per_replica])
+  mean = np.mean(per_replica, axis=0)
+  large = mean @ mean
+  squared = (n_large * large - n_small * small) / (n_large - n_small)
+  trace = (small - large) / (1 / n_small - 1 / n_large)
+  return squared, trace
+
+
+@jax.jit
+def _replica_gradients(params, window):
+  """Each replica's own mean gradient (its rows of the one micro-batch),
+  flattened: ``[replicas, params]``."""
+  rows = jax.tree.map(lambda x: x[0].reshape(8, SLOTS, *x.shape[2:]), window)
+  grads = jax.vmap(jax.grad(lambda p, r: mlp_loss(p, r)[0]), (None, 0))(params, rows)
+  return jnp.concatenate([g.reshape(8, -1) for g in jax.tree.leaves(grads)], axis=1)
+
+
+@pytest.mark.parametrize("equal", [True, False], ids=["equal", "padded"])
+def test_k_diffusions_estimator_ported(equal):
+  """On 8 replicas of equal batches k-diffusion's estimates are the step's,
+  step by step. With padding (each replica a different count of valid rows,
+  the per-device batch size still passed as ``n_small``) theirs miss the
+  pool's |mu|^2 and tr(Sigma) by many standard errors; the step's do not."""
+  mesh = _mesh()
+  params = jax.device_put(_mlp_params(), NamedSharding(mesh, P()))
+  optimizer = optax_accum.MultiSteps(optax.sgd(0.0), 1, noise_scale=True)
+  step = optax_accum.make_train_step(mlp_loss, optimizer, mode="scan", axis_name="data")
+  state, rng = step.init(params), np.random.default_rng(14)
+  ours, theirs = [], []
+  for _ in range(8 if equal else 300):
+    window = _drawn_window(rng, 1, 8, equal)
+    params, state, metrics = step(
+      params, state, jax.device_put(window, NamedSharding(mesh, P(None, "data")))
+    )
+    ours.append(jax.device_get(metrics["noise_scale"]))
+    sizes = (4, 32) if equal else (SLOTS, 8 * SLOTS)  # The per-device batch passed.
+    per_replica = np.asarray(_replica_gradients(_mlp_params(), window), np.float64)
+    theirs.append(_k_diffusion_estimates(per_replica, *sizes))
+  if equal:  # 4 valid rows a replica: the equal-size case they assume.
+    for got, (squared, trace) in zip(ours, theirs, strict=True):
+      want = {"squared_norm": squared, "trace": trace, "units": 8.0}
+      _close(got, want, rtol=1e-3)
+    return
+  squared, trace = _direct(_mlp_params())
+  _within_error([o["trace"] for o in ours], trace, "trace")
+  _within_error([o["squared_norm"] for o in ours], squared, "squared_norm")
+  their_trace = np.asarray([t[1] for t in theirs])
+  error = their_trace.std(ddof=1) / np.sqrt(len(their_trace))
+  print(
+    "their trace",
+    their_trace.mean(),
+    "truth",
+    trace,
+    "z",
+    (their_trace.mean() - trace) / error,
+  )
+  assert abs(their_trace.mean() - trace) > 6 * error
