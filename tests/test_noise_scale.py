@@ -743,12 +743,5 @@ def test_k_diffusions_estimator_ported(equal):
   _within_error([o["squared_norm"] for o in ours], squared, "squared_norm")
   their_trace = np.asarray([t[1] for t in theirs])
   error = their_trace.std(ddof=1) / np.sqrt(len(their_trace))
-  print(
-    "their trace",
-    their_trace.mean(),
-    "truth",
-    trace,
-    "z",
-    (their_trace.mean() - trace) / error,
-  )
-  assert abs(their_trace.mean() - trace) > 6 * error
+  # Seen: 32.7 against 12.0, 20 standard errors off.
+  assert abs(their_trace.mean() - trace) > 6 * error, (their_trace.mean(), trace)
