@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.typing import DTypeLike
+from jax.typing import ArrayLike, DTypeLike
 
 
 class NoiseScaleState(NamedTuple):
@@ -85,12 +85,11 @@ def _square_sum(grads: Any, weight: jax.Array, reduction: Any) -> jax.Array:
   """The squared norm of ``grads`` (any layout: packed groups hold the same
   elements) in ``weight``'s dtype; a leaf split over model-parallel mesh axes
   (inside ``shard_map``) is summed over its shards."""
-  total = jnp.zeros([], weight.dtype)
-  sums = []
+  sums = [jnp.zeros([], weight.dtype)]
   for g in jax.tree.leaves(grads):
     g = jnp.abs(jnp.asarray(g)).astype(weight.dtype)
     sums.append(reduction.over_shards(jnp.sum(jnp.square(g)), weight))
-  return jnp.sum(jnp.stack(sums)) if sums else total
+  return jnp.sum(jnp.stack(sums))
 
 
 def unit_share(
@@ -190,17 +189,10 @@ def closed(
   )
 
 
-def metric(noise: Any, updated: jax.Array) -> dict[str, jax.Array] | None:
-  """The step's ``noise_scale`` metric: the window's estimates if the call
-  ended one with an update, zeros (``units`` 0) otherwise; ``None`` when the
-  state does not measure."""
-  if not measures(noise):
-    return None
+def metric(noise: NoiseScaleState, updated: ArrayLike = True) -> dict[str, jax.Array]:
+  """The step's ``noise_scale`` metric: the last window's estimates if
+  ``updated`` (the call ended a window with an update), zeros (``units`` 0)
+  otherwise."""
   fields = {"squared_norm": noise.squared_norm, "trace": noise.trace}
   fields["units"] = noise.units
   return {name: jnp.where(updated, x, jnp.zeros_like(x)) for name, x in fields.items()}
-
-
-def last(noise: Any) -> dict[str, jax.Array]:
-  """The last window's estimates as a dict (what the metric reports)."""
-  return metric(noise, jnp.array(True)) or {}

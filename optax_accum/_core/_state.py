@@ -101,20 +101,18 @@ class MultiStepsState(NamedTuple):
   noise_scale: Any = None
 
 
-def _children(state: MultiStepsState) -> tuple[tuple[Any, ...], int]:
-  """A state's fields as pytree children, without ``noise_scale`` where it
-  measures nothing (release 0.1.0's structure)."""
-  names: tuple[str, ...] = MultiStepsState._fields
-  if state.noise_scale is None:
-    names = names[:-1]
-  children = tuple((jax.tree_util.GetAttrKey(n), getattr(state, n)) for n in names)
-  return children, len(names)
-
-
 def _flat(state: MultiStepsState) -> tuple[tuple[Any, ...], int]:
-  """:func:`_children` without the keys: what every dispatch flattens."""
+  """A state's fields as pytree children, without ``noise_scale`` where it
+  measures nothing (release 0.1.0's structure); what every dispatch flattens."""
   children = tuple(state) if state.noise_scale is not None else tuple(state)[:-1]
   return children, len(children)
+
+
+def _children(state: MultiStepsState) -> tuple[tuple[Any, ...], int]:
+  """:func:`_flat`'s children with their keys (the fields' names)."""
+  children, count = _flat(state)
+  keys = map(jax.tree_util.GetAttrKey, MultiStepsState._fields[:count])
+  return tuple(zip(keys, children, strict=True)), count
 
 
 def _from_children(count: int, children: Any) -> MultiStepsState:

@@ -108,7 +108,9 @@ def get_last_window(opt_state: optax.OptState) -> dict[str, jax.Array]:
     "weight": jnp.asarray(found[0].last_window_weight),
   }
   if _noise.measures(found[0].noise_scale):
-    window["noise_scale"] = _noise.last(jax.tree.map(jnp.asarray, found[0].noise_scale))
+    window["noise_scale"] = _noise.metric(
+      jax.tree.map(jnp.asarray, found[0].noise_scale)
+    )
   return window
 
 
