@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 import optax_accum
 from benchmarks import accumulation
 from optax_accum._core import _backend, _layout
-from optax_accum._step import _packing
+from optax_accum._step import _layout as _step_layout
+from optax_accum._step import _packed
 from optax_accum._step._programs import counters as _counters
 from optax_accum._step._signature import Inputs, Split
 
@@ -68,7 +69,8 @@ def test_packed_programs_are_bit_identical_on_the_benchmark_models(name, monkeyp
   sums and every metric bit for bit as in the one-sum layout."""
   one_sum = _stream(accumulation.MODELS[name](), 10, 10**9, monkeypatch)
   packed = _stream(accumulation.MODELS[name](), 10, 2, monkeypatch)
-  assert one_sum[3] is None and isinstance(packed[3], _layout.Packing)
+  assert one_sum[3] is _step_layout.ONE_SUM
+  assert isinstance(packed[3], _packed.PackedLayout)
   for what, a, b in zip(["params", "state", "metrics"], one_sum, packed, strict=False):
     assert _bitwise_equal(a, b), what
 
@@ -86,7 +88,7 @@ def test_a_backend_without_two_programs_ends_a_packed_window_in_one(monkeypatch)
     model["params"], step.init(model["params"]), batch
   )
   update = step._layouts.programs(packing).update
-  assert isinstance(update, _packing.PackedProgram)  # Not a Split.
+  assert isinstance(update, _step_layout.Bound)  # Not a Split.
   for what, a, b in zip(["params", "state", "metrics"], one_sum, packed, strict=False):
     assert _bitwise_equal(a, b), what
 
@@ -277,7 +279,7 @@ def _checkpointed(model, split, tmp_path, monkeypatch):
   state = step.init(params)
   for batch in batches[:split]:
     params, state, _ = step(params, state, batch)
-  assert isinstance(step._known.layout, _layout.Packing)
+  assert isinstance(step._known.layout, _packed.PackedLayout)
   saver = ocp.StandardCheckpointer()
   saver.save(tmp_path / "ckpt", {"params": params, "opt_state": state, "position": 0})
   saver.wait_until_finished()
@@ -357,7 +359,7 @@ def test_a_packed_state_joins_a_scan_window(monkeypatch):
   params, state = model["params"], stream.init(model["params"])
   for batch in batches[:2]:
     params, state, _ = stream(params, state, batch)
-  assert isinstance(stream._known.layout, _layout.Packing)
+  assert isinstance(stream._known.layout, _packed.PackedLayout)
   rest = jax.tree.map(lambda *rows: np.stack(rows), *batches[2:])
   got, state, _ = scan(params, state, rest)
   want, _ = _finish(stream, model["params"], opt.init(model["params"]), batches)

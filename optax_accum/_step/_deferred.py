@@ -19,6 +19,7 @@ scales are small, and only leaves of two or more dimensions are tried.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,23 +32,42 @@ from jax.sharding import PartitionSpec as P
 from optax_accum._core._checks import axes as _axes
 from optax_accum._core._reduction import Deferred
 from optax_accum._core._state import MultiStepsConfig
+from optax_accum._step._layout import Mapped
 from optax_accum._step._programs import Bodies
-from optax_accum._step._replicas import DataLayout
-from optax_accum._step._signature import (
-  ACCUMULATE_DONATES,
-  UPDATE_DONATES,
-  Body,
-  Inputs,
-  Outputs,
-  Pair,
-  Program,
-  renamed,
-)
+from optax_accum._step._replicas import PerReplicaLayout
+from optax_accum._step._signature import Body, Inputs, Outputs, renamed
+
+
+@dataclasses.dataclass(frozen=True)
+class DeferredLayout(PerReplicaLayout):
+  """Per-replica partial sums over the ``Explicit`` mesh axes ``axes``, added
+  in the global view: ``leaves`` says, one bool per params leaf, whether its
+  gradient stays partial until the window ends (the others XLA reduces per
+  micro-batch; they join the first replica's partial sum). Stored as
+  :class:`~optax_accum._step._replicas.PerReplicaLayout` stores its sums."""
+
+  leaves: tuple[bool, ...] = ()
+
+  def bodies(self, bodies: Bodies) -> Bodies:
+    return bodies.under(Deferred(mesh=self.mesh, over=self.axes, leaves=self.leaves))
+
+  def body(self, body: Body, window: bool) -> Body:
+    """``body`` on the accumulator in its stacked layout, adding to each
+    device's partial sum."""
+
+    def run(inputs: Inputs) -> Outputs:
+      out = body(inputs._replace(acc=_view(self, inputs.acc)))
+      return out._replace(acc=_stacked(self, out.acc))
+
+    return renamed(run, body)
+
+  def mapped(self, window: bool) -> Mapped | None:
+    return None
 
 
 def candidate(
   params: Any, batch: Any, config: MultiStepsConfig, *, scan: bool
-) -> DataLayout | None:
+) -> DeferredLayout | None:
   """The mesh and data axes of a call that can defer its gradient reduction
   (before choosing the leaves), or ``None``.
 
@@ -83,19 +103,12 @@ def candidate(
       return None
     if {a for entry in sharding.spec for a in _axes(entry)} & set(axes):
       return None
-  return DataLayout(mesh, axes)
-
-
-def policy(layout: DataLayout) -> Deferred:
-  """The reduction policy of a layout whose leaves are chosen."""
-  if layout.deferred is None:
-    raise ValueError("A deferred layout's leaves are chosen before its policy.")
-  return Deferred(mesh=layout.mesh, over=layout.axes, leaves=layout.deferred)
+  return DeferredLayout(mesh, axes)
 
 
 def choose_leaves(
-  layout: DataLayout, fits: Callable[[DataLayout], bool], params: Any
-) -> DataLayout | None:
+  layout: DeferredLayout, fits: Callable[[DeferredLayout], bool], params: Any
+) -> DeferredLayout | None:
   """``layout`` with the largest set of leaves ``fits`` accepts (tried among
   leaves of two or more dimensions), or ``None`` if none is."""
   flat = jax.tree.leaves(params)
@@ -104,8 +117,11 @@ def choose_leaves(
   def flags(chosen: Sequence[int]) -> tuple[bool, ...]:
     return tuple(i in chosen for i in range(len(flat)))
 
-  chosen = _fitting(wanted, lambda c: fits(layout._replace(deferred=flags(c))))
-  return layout._replace(deferred=flags(chosen)) if chosen else None
+  def with_leaves(chosen: Sequence[int]) -> DeferredLayout:
+    return dataclasses.replace(layout, leaves=flags(chosen))
+
+  chosen = _fitting(wanted, lambda c: fits(with_leaves(c)))
+  return with_leaves(chosen) if chosen else None
 
 
 def _fitting(indices: list[int], fits: Callable[[list[int]], bool]) -> list[int]:
@@ -122,7 +138,7 @@ def _fitting(indices: list[int], fits: Callable[[list[int]], bool]) -> list[int]
   return left + right
 
 
-def _view(layout: DataLayout, stacked: Any) -> Any:
+def _view(layout: PerReplicaLayout, stacked: Any) -> Any:
   """The accumulator as the programs add to it: each device's partial sum,
   typed ``unreduced`` over the data axes (no data moves)."""
 
@@ -134,7 +150,7 @@ def _view(layout: DataLayout, stacked: Any) -> Any:
   return jax.tree.map(view, stacked)
 
 
-def _stacked(layout: DataLayout, partial_sums: Any) -> Any:
+def _stacked(layout: PerReplicaLayout, partial_sums: Any) -> Any:
   """The accumulator in its layout between calls: the partial sums along a
   leading axis of replicas (no data moves)."""
 
@@ -146,35 +162,13 @@ def _stacked(layout: DataLayout, partial_sums: Any) -> Any:
   return jax.tree.map(stack, partial_sums)
 
 
-def _local(layout: DataLayout, fn: Callable[..., Any], in_spec: P, out_spec: P) -> Any:
+def _local(
+  layout: PerReplicaLayout, fn: Callable[..., Any], in_spec: P, out_spec: P
+) -> Any:
   """``fn`` on each device's own block: a ``shard_map`` that moves no data
   (unchecked: ``unreduced`` to per-device values has no typed cast)."""
   return jax.shard_map(
     fn, mesh=layout.mesh, in_specs=in_spec, out_specs=out_spec, check_vma=False
-  )
-
-
-def accumulate_body(layout: DataLayout, bodies: Bodies) -> Body:
-  """The streaming accumulate body, the accumulator in its stacked layout."""
-  return _in_layout(layout, bodies.accumulate)
-
-
-def _in_layout(layout: DataLayout, body: Body) -> Body:
-  """``body`` on the accumulator in its stacked layout, adding to each
-  device's partial sum."""
-
-  def run(inputs: Inputs) -> Outputs:
-    out = body(inputs._replace(acc=_view(layout, inputs.acc)))
-    return out._replace(acc=_stacked(layout, out.acc))
-
-  return renamed(run, body)
-
-
-def programs(layout: DataLayout, bodies: Bodies, *, scan: bool, donate: bool) -> Pair:
-  """The step's accumulate and update programs for a deferred layout."""
-  return Pair(
-    Program(accumulate_body(layout, bodies), ACCUMULATE_DONATES, donate),
-    Program(_in_layout(layout, bodies.updating(scan)), UPDATE_DONATES, donate),
   )
 
 

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from optax_accum._core._multi_steps import MultiSteps, MultiStepsState
-from optax_accum._step._layouts import Layout
+from optax_accum._step._layout import ONE_SUM, Layout
 
 
 def _host_int(x: jax.Array) -> int:
@@ -41,7 +41,7 @@ class Known(NamedTuple):
   k: int | None  # The window's length; None where it must be read.
   params: Any  # Params the update program returned: fresh, unaliased buffers.
   learning_rate: Any  # The metric (unchanged until the next update), or UNKNOWN.
-  layout: Layout = None  # Packed, or per-replica partial sums under jit.
+  layout: Layout = ONE_SUM  # The layout of the state returned.
   acc: Any = None  # The returned state's accumulator node, compared by identity.
 
   def describes(self, state: MultiStepsState) -> bool:

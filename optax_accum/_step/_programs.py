@@ -103,6 +103,10 @@ class Bodies:
     self.has_aux = has_aux
     self.reduction = reduction
 
+  def under(self, reduction: _reduction.Local) -> Bodies:
+    """These bodies under another reduction policy."""
+    return Bodies(self.loss_fn, self.optimizer, self.has_aux, reduction)
+
   # -- one micro-batch -------------------------------------------------------
 
   def _grads(self, params: Any, batch: Any, rng: Any, seen: Any) -> tuple[Any, ...]:
@@ -220,7 +224,7 @@ class Bodies:
     )
     return added, counted, aux
 
-  # -- the accumulator's layout: the params' own here (see _packing) ------------
+  # -- the accumulator's layout: the params' own here (see _packed) -------------
 
   def accumulated(self, grads: Any) -> Any:
     """A micro-batch's gradient laid out as the accumulator holds it."""

@@ -12,43 +12,38 @@ params-sized sum, as a replicated accumulator would.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from optax_accum._core import _layout, _reduction, _terms
 from optax_accum._core._checks import axes as _axes
 from optax_accum._core._layout import PerReplica
 from optax_accum._core._reduction import AxisName
+from optax_accum._core._state import MultiStepsState
+from optax_accum._core._terms import Names
+from optax_accum._step._layout import Layout, Mapped
 from optax_accum._step._programs import Bodies
-from optax_accum._step._signature import (
-  ACCUMULATE_DONATES,
-  UPDATE_DONATES,
-  Body,
-  Inputs,
-  Outputs,
-  Pair,
-  Program,
-  renamed,
-)
+from optax_accum._step._signature import Body, Inputs, Outputs, renamed
 
 
-class DataLayout(NamedTuple):
-  """The mesh and data-parallel axes a batch is sharded over.
-
-  ``deferred``: ``None`` for ``axis_name``'s layout (the loss sees each
-  replica's rows, in a ``shard_map``); else the global-view layout of
-  :mod:`optax_accum._step._deferred`, one bool per params leaf: whether its
-  gradient stays partial until the window ends.
-  """
+@dataclasses.dataclass(frozen=True)
+class PerReplicaLayout(Layout):
+  """Per-replica partial sums over the mesh axes ``axes`` (``axis_name``'s):
+  the programs run in a ``shard_map`` over them, each replica adding its own
+  rows' gradient to its own partial sum; the sums are added up once, when
+  the window ends. Stored as a :class:`PerReplica`, a leading axis of
+  replicas split over ``axes``."""
 
   mesh: jax.sharding.Mesh
   axes: tuple[str, ...]
-  deferred: tuple[bool, ...] | None = None
+  converts: ClassVar[bool] = True
 
   @property
   def replicas(self) -> int:
@@ -58,10 +53,57 @@ class DataLayout(NamedTuple):
     """A spec whose leading dimension is split over the data axes."""
     return P(self.axes[0] if len(self.axes) == 1 else self.axes, *rest)
 
+  def stored(
+    self, state: MultiStepsState, params: Any = None, terms: Names = None
+  ) -> MultiStepsState:
+    acc = state.acc_grads
+    stacked = isinstance(acc, PerReplica) and acc.axes == self.axes
+    accs = _terms.per_term(acc.sums if stacked else _layout.one_sum(acc), terms)
+    placed = tuple(per_replica(a, params, self, stacked) for a in accs)
+    return state._replace(acc_grads=PerReplica(_terms.stored(placed, terms), self.axes))
+
+  def bodies(self, bodies: Bodies) -> Bodies:
+    return bodies.under(_reduction.policy(self.axes, at_window_end=True))
+
+  def body(self, body: Body, window: bool) -> Body:
+    """``body`` on this replica's slice of the accumulator's replica axis;
+    ``aux`` gains a replica axis (after the micro-batch axis of a window)."""
+
+    def run(inputs: Inputs) -> Outputs:
+      out = body(inputs._replace(acc=jax.tree.map(lambda a: a[0], inputs.acc)))
+      return out._replace(acc=_stack(out.acc), aux=_stack(out.aux, int(window)))
+
+    return renamed(run, body)
+
+  def mapped(self, window: bool) -> Mapped | None:
+    """The accumulator's leading axis, the batch's rows and ``aux`` split over
+    the data axes; everything else replicated."""
+    rows = P(None, *self.spec()) if window else self.spec()
+    split, whole = self.spec(), P()
+    inputs = Inputs(whole, whole, split, whole, rows, whole, whole)
+    outputs = Outputs(whole, whole, split, whole, whole, rows)
+
+    def mapped(flat: Any) -> Any:
+      return jax.shard_map(
+        flat,
+        mesh=self.mesh,
+        in_specs=tuple(inputs),
+        out_specs=outputs,
+        axis_names=set(self.axes),
+      )
+
+    return mapped
+
+  def inside(self, acc: PerReplica) -> Any:
+    return acc.sums
+
+  def outside(self, acc: Any) -> PerReplica:
+    return PerReplica(acc, self.axes)
+
 
 def data_layout(
   axis_name: AxisName, params: Any, batch: Any, *, scan: bool
-) -> DataLayout:
+) -> PerReplicaLayout:
   """Where ``batch`` is split over ``axis_name``; checks params are not.
 
   Raises:
@@ -101,10 +143,10 @@ def data_layout(
           "need a whole copy of it on every device. Drop axis_name: under "
           "plain jit XLA then reduce-scatters each micro-batch's gradient."
         )
-  return DataLayout(mesh, axes)
+  return PerReplicaLayout(mesh, axes)
 
 
-def per_replica(acc: Any, params: Any, layout: DataLayout, stacked: bool) -> Any:
+def per_replica(acc: Any, params: Any, layout: PerReplicaLayout, stacked: bool) -> Any:
   """``acc`` as per-replica partial sums: a leading axis of replicas.
 
   ``stacked``: ``acc`` holds partial sums already (of a :class:`PerReplica`
@@ -146,7 +188,7 @@ def _placed(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
 
 
 @functools.cache
-def _first_replica(layout: DataLayout, spec: P) -> Any:
+def _first_replica(layout: PerReplicaLayout, spec: P) -> Any:
   """A program that makes a sum sharded as ``spec`` the first replica's
   partial sum, and zeros every other replica's.
 
@@ -196,65 +238,6 @@ def as_returned(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     return jax.make_array_from_single_device_arrays(x.shape, full, shards)
 
   return jax.tree.map(place, tree)
-
-
-class PerReplicaProgram:
-  """A per-replica layout's program, called with a :class:`PerReplica`
-  accumulator: the program takes its stacked partial sums, and they come
-  back as a :class:`PerReplica` over the same axes."""
-
-  def __init__(self, axes: tuple[str, ...], program: Any):
-    self.axes, self.program = axes, program
-
-  def __call__(self, inputs: Inputs) -> Outputs:
-    out = self.program(inputs._replace(acc=inputs.acc.sums))
-    return out._replace(acc=PerReplica(out.acc, self.axes))
-
-  def lower(self, inputs: Inputs) -> jax.stages.Lowered:
-    return self.program.lower(inputs._replace(acc=inputs.acc.sums))
-
-
-def sharded_programs(
-  layout: DataLayout, bodies: Bodies, *, scan: bool, donate: bool
-) -> Pair:
-  """The step's accumulate and update programs, run in a ``shard_map``.
-
-  ``bodies`` keep each replica's weighted gradients in its own partial sum
-  (a reduction policy with ``at_window_end``). The accumulator's leading
-  axis, the batch's rows and ``aux`` (which gains a replica axis) are split
-  over the data axes; everything else is replicated.
-  """
-  rows = P(None, *layout.spec()) if scan else layout.spec()
-  split, whole = layout.spec(), P()
-  inputs = Inputs(whole, whole, split, whole, rows, whole, whole)
-
-  def here(body: Body, aux_axis: int) -> Body:
-    """``body`` on this replica's slice of the accumulator's replica axis."""
-
-    def run(inputs: Inputs) -> Outputs:
-      out = body(inputs._replace(acc=jax.tree.map(lambda a: a[0], inputs.acc)))
-      return out._replace(acc=_stack(out.acc), aux=_stack(out.aux, aux_axis))
-
-    return renamed(run, body)
-
-  def program(body: Body, donates: tuple[str, ...], aux_rows: P) -> Program:
-    outputs = Outputs(whole, whole, split, whole, whole, aux_rows)
-
-    def mapped(flat: Any) -> Any:
-      return jax.shard_map(
-        flat,
-        mesh=layout.mesh,
-        in_specs=tuple(inputs),
-        out_specs=outputs,
-        axis_names=set(layout.axes),
-      )
-
-    return Program(body, donates, donate, mapped)
-
-  return Pair(
-    program(here(bodies.accumulate, 0), ACCUMULATE_DONATES, split),
-    program(here(bodies.updating(scan), int(scan)), UPDATE_DONATES, rows),
-  )
 
 
 def _stack(tree: Any, axis: int = 0) -> Any:

@@ -2,8 +2,9 @@
 
 The host side: which compiled program runs for a call
 (:mod:`optax_accum._step._programs` holds their bodies), what the host knows
-about the state it returned last, and the accumulator's layout under plain
-``jit`` with ``axis_name`` (:mod:`optax_accum._step._replicas`).
+about the state it returned last, and which accumulator layout a call runs
+in (:mod:`optax_accum._step._layouts`; the layouts:
+:mod:`optax_accum._step._layout`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from optax_accum._core import _backend, _checks, _reduction, _terms
+from optax_accum._core import _checks, _reduction, _terms
 from optax_accum._core._multi_steps import EveryKSchedule, MultiSteps, MultiStepsState
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import check_single_accumulation
@@ -24,7 +25,8 @@ from optax_accum._core._transitions import with_window
 from optax_accum._step._coupled import CoupledLoss, CoupledStep, check_coupled
 from optax_accum._step._explained import check_restored, check_state, explained
 from optax_accum._step._known import UNKNOWN, Known
-from optax_accum._step._layouts import Layout, Layouts, avals, is_traced
+from optax_accum._step._layout import ONE_SUM, Layout
+from optax_accum._step._layouts import Layouts, avals, is_traced
 from optax_accum._step._programs import (
   Bodies,
   Metrics,
@@ -34,28 +36,11 @@ from optax_accum._step._programs import (
   metrics,
   zeros,
 )
-from optax_accum._step._replicas import as_returned
-from optax_accum._step._signature import (
-  ACCUMULATE_DONATES,
-  UPDATE_DONATES,
-  Inputs,
-  Outputs,
-  Pair,
-  Program,
-  Split,
-)
+from optax_accum._step._replicas import PerReplicaLayout, as_returned
+from optax_accum._step._signature import Inputs, Outputs, Split
 
 Mode = Literal["stream", "scan"]
 StepOutput = tuple[optax.Params, MultiStepsState, Metrics]
-
-
-def _two_programs(optimizer: MultiSteps, mode: Mode) -> bool:
-  """Whether a streamed window on one sum ends in two programs (accumulate,
-  then ending): where the default backend says so and every micro-batch
-  counts (no ``should_skip_update_fn``)."""
-  if mode != "stream" or optimizer.config.should_skip_update_fn is not None:
-    return False
-  return _backend.of(jax.default_backend()).two_programs
 
 
 def _unaliased(donated: Any, kept: Any) -> Any:
@@ -121,16 +106,10 @@ class TrainStep:
     self.has_aux = has_aux
     self.donate = donate
     policy = _reduction.policy(optimizer.config.axis_name)
-    self._bodies = bodies = Bodies(loss_fn, optimizer, has_aux, policy)
-    updating = bodies.updating(mode == "scan")
-    self.update_program = Program(updating, UPDATE_DONATES, donate)
-    self.accumulate_program = Program(bodies.accumulate, ACCUMULATE_DONATES, donate)
-    update: Any = self.update_program
-    if _two_programs(optimizer, mode):
-      ending = Program(bodies.ending, UPDATE_DONATES, donate)
-      update = Split(self.accumulate_program, ending, self.update_program)
-    one_sum = Pair(self.accumulate_program, update)
-    self._layouts = Layouts(bodies, mode, donate, one_sum)
+    self._bodies = Bodies(loss_fn, optimizer, has_aux, policy)
+    self._layouts = Layouts(self._bodies, mode, donate)
+    self.accumulate_program, update = self._layouts.programs(ONE_SUM)
+    self.update_program = update.merged if isinstance(update, Split) else update
     self._known: Known | None = None
     # Scan mode with the inner optimizer's own state: per params' shapes, that
     # state's structure and the counters of an empty window.
@@ -220,7 +199,7 @@ class TrainStep:
     layout. Where the call runs on one sum the window's sums live only inside
     the program (``Bodies.scan``): the state has ``None`` for them."""
     if self._layouts.on_one_sum(params, inner, batch):
-      return params, self._around(params, inner, sums=False), None
+      return params, self._around(params, inner, sums=False), ONE_SUM
     state = self._around(params, inner, sums=True)
     return self._layouts.arranged(params, state, batch, rng)
 
@@ -290,11 +269,9 @@ class TrainStep:
     """
     state = self.optimizer.init(params)
     layout = self._layouts.init_layout(params)
-    if layout is None:
-      packing = self._layouts.packing(params)
-      return self._layouts.in_layout(state, packing) if packing else state
-    _, state = as_returned((params, state), layout.mesh)
-    return self._layouts.in_layout(state, layout, params)
+    if isinstance(layout, PerReplicaLayout):
+      _, state = as_returned((params, state), layout.mesh)
+    return self._layouts.stored(state, layout, params)
 
   def lower(
     self,
@@ -355,7 +332,7 @@ class TrainStep:
     end_window: Any = None,
     *,
     check_aliasing: bool = True,
-    layout: Layout = None,
+    layout: Layout = ONE_SUM,
   ) -> StepOutput:
     if self.donate and check_aliasing and not is_traced(params, opt_state):
       params, opt_state = _unaliased((params, opt_state), (batch, rng))
@@ -371,7 +348,7 @@ class TrainStep:
     rng: Any,
     learning_rate: jax.Array | None,
     check_aliasing: bool = True,
-    layout: Layout = None,
+    layout: Layout = ONE_SUM,
   ) -> StepOutput:
     acc = opt_state.acc_grads
     if self.donate and check_aliasing and not is_traced(params, acc):

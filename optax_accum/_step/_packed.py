@@ -1,4 +1,5 @@
-"""The programs on a packed accumulator (:class:`optax_accum._core._layout.Packed`).
+"""The packed layout (:class:`optax_accum._core._layout.Packed`): small leaves'
+sums in shared buffers, on one device.
 
 Every buffer a program takes or returns costs the host time on every call,
 whatever its size, and XLA:CPU runs a kernel per leaf for each small add. On a
@@ -14,14 +15,46 @@ bit-identical to the one-sum layout's.
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, ClassVar
 
-import jax
-
-from optax_accum._core import _layout
+from optax_accum._core import _backend, _layout
 from optax_accum._core._layout import Packed, Packing
+from optax_accum._core._state import MultiStepsState
+from optax_accum._core._terms import Names
+from optax_accum._step._layout import Layout
 from optax_accum._step._programs import Bodies
-from optax_accum._step._signature import Inputs, Outputs, Program
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedLayout(Layout):
+  """Sums packed as ``packing`` says; ``platform``: where the params live
+  (its backend says whether a streamed window ends in two programs)."""
+
+  packing: Packing
+  platform: str
+  converts: ClassVar[bool] = True
+
+  def stored(
+    self, state: MultiStepsState, params: Any = None, terms: Names = None
+  ) -> MultiStepsState:
+    acc = state.acc_grads
+    if isinstance(acc, Packed) and acc.packing == self.packing:
+      return state
+    return state._replace(acc_grads=_layout.pack(_layout.one_sum(acc), self.packing))
+
+  def bodies(self, bodies: Bodies) -> Bodies:
+    return PackedBodies(bodies, self.packing)
+
+  def inside(self, acc: Packed) -> Any:
+    return acc.groups, acc.rest
+
+  def outside(self, acc: Any) -> Packed:
+    groups, rest = acc
+    return Packed(tuple(groups), tuple(rest), self.packing)
+
+  def two_programs(self, bodies: Bodies) -> bool:
+    return _backend.of(self.platform).two_programs
 
 
 class PackedBodies(Bodies):
@@ -43,25 +76,3 @@ class PackedBodies(Bodies):
 
   def as_params(self, acc: Any) -> Any:
     return _layout.unpacked(self.packing, *acc)
-
-
-class PackedProgram:
-  """A :class:`Program` of :class:`PackedBodies`' bodies, called with a
-  :class:`Packed` accumulator: the program takes its group buffers and
-  other leaves, and the result comes back as a :class:`Packed` of the same
-  packing (also traced, inside the user's ``jit`` or ``scan``)."""
-
-  def __init__(self, packing: Packing, program: Program):
-    self.packing, self.program = packing, program
-
-  def _split(self, inputs: Inputs) -> Inputs:
-    acc = inputs.acc
-    return inputs._replace(acc=(acc.groups, acc.rest))
-
-  def __call__(self, inputs: Inputs) -> Outputs:
-    out = self.program(self._split(inputs))
-    groups, rest = out.acc
-    return out._replace(acc=Packed(tuple(groups), tuple(rest), self.packing))
-
-  def lower(self, inputs: Inputs) -> jax.stages.Lowered:
-    return self.program.lower(self._split(inputs))

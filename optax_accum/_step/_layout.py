@@ -1,0 +1,151 @@
+"""The Layout protocol: one object per accumulator layout, and the one place
+a layout's programs are built.
+
+A layout says where a train step's window sums live between calls and how a
+program works on them. The state's structure names it (:mod:`optax_accum.
+_core._layout`: one sum, ``Packed``, ``PerReplica``); each layout is one
+object in one file:
+
+- :class:`OneSum` (here): the sums laid out as the params;
+- :class:`~optax_accum._step._packed.PackedLayout`: small leaves' sums in
+  shared buffers, on one device;
+- :class:`~optax_accum._step._replicas.PerReplicaLayout`: per-replica
+  partial sums, added in a ``shard_map`` over ``axis_name``;
+- :class:`~optax_accum._step._deferred.DeferredLayout`: per-replica partial
+  sums in the global view, gradients left ``unreduced``.
+
+Each answers the same questions: how a state is laid out for it
+(:meth:`Layout.stored`, from any layout: ``step.init`` and the host's
+conversions), the bodies' reduction and gradient layout
+(:meth:`Layout.bodies`), how a body sees the accumulator inside the program
+(:meth:`Layout.body`), the ``shard_map`` around it (:meth:`Layout.mapped`),
+what crosses the program's boundary (:meth:`Layout.inside`,
+:meth:`Layout.outside`) and whether a streamed window ends in two programs.
+:func:`programs` builds any layout's programs from those answers. A new layout
+is a new file with a new subclass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import jax
+
+from optax_accum._core import _backend, _layout
+from optax_accum._core._state import MultiStepsState
+from optax_accum._core._terms import Names
+from optax_accum._step._signature import (
+  ACCUMULATE_DONATES,
+  UPDATE_DONATES,
+  Body,
+  Inputs,
+  Outputs,
+  Pair,
+  Program,
+  Split,
+)
+
+if TYPE_CHECKING:
+  from optax_accum._step._programs import Bodies
+
+Mapped = Callable[[Callable[..., Outputs]], Callable[..., Outputs]]
+
+
+class Layout:
+  """An accumulator layout. The defaults are the one-sum layout's: the
+  bodies as they are, no ``shard_map``, the sums passed as they are.
+
+  Attributes:
+    converts: Whether the program takes the accumulator in another form than
+      it is stored in (:meth:`inside`, :meth:`outside`).
+  """
+
+  converts: ClassVar[bool] = False
+
+  def stored(
+    self, state: MultiStepsState, params: Any = None, terms: Names = None
+  ) -> MultiStepsState:
+    """``state`` with its accumulator (any layout) in this one: exact, but
+    for partial sums of another layout, added up first."""
+    if isinstance(state.acc_grads, _layout.Packed | _layout.PerReplica):
+      return state._replace(acc_grads=_layout.one_sum(state.acc_grads))
+    return state
+
+  def bodies(self, bodies: Bodies) -> Bodies:
+    """The program bodies for this layout: its reduction policy, its
+    gradient layout."""
+    return bodies
+
+  def body(self, body: Body, window: bool) -> Body:
+    """``body`` on the accumulator as the program takes it (``window``: the
+    body takes a whole window, its ``aux`` stacked along the first axis)."""
+    return body
+
+  def mapped(self, window: bool) -> Mapped | None:
+    """The ``shard_map`` a program runs in, or ``None``."""
+    return None
+
+  def inside(self, acc: Any) -> Any:
+    """The stored accumulator as the program takes it."""
+    return acc
+
+  def outside(self, acc: Any) -> Any:
+    """The program's accumulator as stored."""
+    return acc
+
+  def two_programs(self, bodies: Bodies) -> bool:
+    """Whether a streamed window ends in two programs (accumulate, then
+    ending: :class:`~optax_accum._step._signature.Split`)."""
+    return False
+
+
+class OneSum(Layout):
+  """The window's sums laid out as the params (one tree per loss term).
+
+  A streamed window ends in two programs where the default backend says so
+  and every micro-batch counts (``ending`` does not ask
+  ``should_skip_update_fn``).
+  """
+
+  def two_programs(self, bodies: Bodies) -> bool:
+    if bodies.config.should_skip_update_fn is not None:
+      return False
+    return _backend.of(jax.default_backend()).two_programs
+
+
+ONE_SUM = OneSum()
+
+
+class Bound:
+  """A program whose accumulator crosses its boundary as ``layout`` says:
+  called and lowered with the stored accumulator."""
+
+  def __init__(self, layout: Layout, program: Program):
+    self.layout, self.program = layout, program
+
+  def _in(self, inputs: Inputs) -> Inputs:
+    return inputs._replace(acc=self.layout.inside(inputs.acc))
+
+  def __call__(self, inputs: Inputs) -> Outputs:
+    out = self.program(self._in(inputs))
+    return out._replace(acc=self.layout.outside(out.acc))
+
+  def lower(self, inputs: Inputs) -> jax.stages.Lowered:
+    return self.program.lower(self._in(inputs))
+
+
+def programs(layout: Layout, bodies: Bodies, *, scan: bool, donate: bool) -> Pair:
+  """The accumulate and update programs of ``bodies`` for ``layout`` (scan
+  mode: ``update`` is the whole window's program)."""
+  bodies = layout.bodies(bodies)
+
+  def program(body: Body, donates: tuple[str, ...], window: bool = False) -> Any:
+    built = Program(layout.body(body, window), donates, donate, layout.mapped(window))
+    return Bound(layout, built) if layout.converts else built
+
+  accumulate = program(bodies.accumulate, ACCUMULATE_DONATES)
+  update = program(bodies.updating(scan), UPDATE_DONATES, window=scan)
+  if not scan and layout.two_programs(bodies):
+    update = Split(accumulate, program(bodies.ending, UPDATE_DONATES), update)
+  return Pair(accumulate, update)
