@@ -243,6 +243,10 @@ def check_params(params: Any, packing: Packing, name: str = "params") -> None:
   )
 
 
+def _traced(x: Any) -> bool:
+  return isinstance(x, jax.core.Tracer)
+
+
 def _on_host(tree: Any) -> bool:
   return all(isinstance(x, np.ndarray | np.generic) for x in jax.tree.leaves(tree))
 
@@ -333,7 +337,7 @@ def _own_placement(*trees: Any) -> Iterator[None]:
 
 
 def _relayout(state: MultiStepsState, acc: Any, target: Any) -> MultiStepsState:
-  total = one_sum(acc)
+  total = one_sum_shapes(acc)
   _checks.check_tree_matches(
     total,
     one_sum_shapes(target) if target is not None else total,
@@ -341,7 +345,7 @@ def _relayout(state: MultiStepsState, acc: Any, target: Any) -> MultiStepsState:
     ref_name="`like`'s (relayout converts states of the same params; start a "
     "state for other params from opt.init(params))",
   )
-  return state._replace(acc_grads=in_layout_of(total, target))
+  return state._replace(acc_grads=converted(acc, target))
 
 
 def one_sum_shapes(acc: Any) -> Any:
@@ -355,42 +359,65 @@ def one_sum_shapes(acc: Any) -> Any:
   return acc
 
 
-def in_layout_of(total: Any, target: Any) -> Any:
-  """``total`` (one sum) in the layout of ``target`` (``None``: as it is),
-  placed like it."""
+def converted(acc: Any, target: Any) -> Any:
+  """``acc`` (any layout) in the layout of ``target`` (``None``: one sum, as
+  it is), placed like it (arrays or shapes with shardings: the layouts of
+  :mod:`optax_accum._step._layout` give shapes). Exact, but for partial sums
+  of another number of replicas, added up first: for as many, each keeps
+  its place in the stack (a checkpoint restores them as host arrays); one
+  sum becomes the first replica's partial sum (the others start from
+  zeros), so a window in progress carries on exactly."""
   if target is None:
-    return total
-  if isinstance(target, Packed):
-    first = jax.tree.leaves(target)[0]
-    if isinstance(first, jax.Array):
-      total = jax.device_put(total, first.sharding)
-    return pack(total, target.packing)
+    return one_sum(acc)
   if isinstance(target, PerReplica):
     n = replicas(target)
+    if isinstance(acc, PerReplica) and replicas(acc) == n:
+      return PerReplica(jax.tree.map(_placed_like, acc.sums, target.sums), target.axes)
+    total = one_sum(acc)
     sums = jax.tree.map(lambda t, a: _first_placed(t, n, a), total, target.sums)
     return PerReplica(sums, target.axes)
-  return _placed(total, target)
+  total = one_sum(acc)
+  if isinstance(target, Packed):
+    first = jax.tree.leaves(target)[:1]
+    if first and isinstance(first[0], jax.Array):
+      total = jax.device_put(total, first[0].sharding)
+    return pack(total, target.packing)
+  return jax.tree.map(_placed_like, total, target)
 
 
-def _placed(total: Any, like: Any) -> Any:
-  def place(t: Any, a: Any) -> Any:
-    sharding = getattr(a, "sharding", None)
-    if isinstance(a, jax.Array) and sharding is not None:
-      return jax.device_put(jnp.asarray(t, a.dtype), sharding)
-    return jnp.asarray(t, getattr(a, "dtype", None))
-
-  return jax.tree.map(place, total, like)
+def _placed_like(x: Any, like: Any) -> Any:
+  """``x`` in ``like``'s dtype and, where it has one, sharding (itself if
+  it has both)."""
+  placed = isinstance(like, jax.Array | jax.ShapeDtypeStruct)
+  sharding = like.sharding if placed and not _traced(like) else None
+  if not isinstance(x, jax.Array) or x.dtype != like.dtype:
+    x = jnp.asarray(x, like.dtype)
+  if sharding is None or _traced(x):
+    return x
+  if x.sharding.is_equivalent_to(sharding, x.ndim):
+    return x
+  return jax.device_put(x, sharding)
 
 
 def _first_placed(total: Any, n: int, like: Any) -> Any:
+  """``total`` as the first of ``n`` partial sums, placed as ``like``."""
   sharding = getattr(like, "sharding", None)
   total = jnp.asarray(total, like.dtype)
   if isinstance(sharding, NamedSharding):
     inner = NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
-    total = jax.device_put(total, inner)
-    return jax.jit(first_replica, static_argnums=1, out_shardings=sharding)(total, n)
+    total = _placed_like(
+      total, jax.ShapeDtypeStruct(total.shape, total.dtype, sharding=inner)
+    )
+    return _first_replica(sharding)(total, n)
   out = first_replica(total, n)
   return jax.device_put(out, sharding) if sharding is not None else out
+
+
+@functools.cache
+def _first_replica(sharding: NamedSharding) -> Any:
+  """:func:`first_replica` as a program whose result is placed as
+  ``sharding``: each device computes its own slice, nothing moves."""
+  return jax.jit(first_replica, static_argnums=1, out_shardings=sharding)
 
 
 def _same_layout(acc: Any, target: Any) -> bool:

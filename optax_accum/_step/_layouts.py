@@ -240,13 +240,4 @@ def _stacked_like(optimizer: MultiSteps, params: Any, layout: PerReplicaLayout) 
     window = _terms.empty(params, config.accumulator_dtype, names)
     return _terms.joined(window, names).acc_grads
 
-  trees = _terms.per_term(jax.eval_shape(sums, params), names)
-
-  def stacked(a: Any, p: Any) -> jax.ShapeDtypeStruct:
-    spec = tuple(p.sharding.spec) + (None,) * (jnp.ndim(p) - len(p.sharding.spec))
-    sharding = NamedSharding(layout.mesh, layout.spec(*spec))
-    return jax.ShapeDtypeStruct((layout.replicas, *a.shape), a.dtype, sharding=sharding)
-
-  return _terms.stored(
-    tuple(jax.tree.map(stacked, tree, params) for tree in trees), names
-  )
+  return layout.like(jax.eval_shape(sums, params), params, names).sums

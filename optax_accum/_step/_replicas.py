@@ -13,7 +13,6 @@ params-sized sum, as a replicated accumulator would.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, ClassVar
 
@@ -57,10 +56,23 @@ class PerReplicaLayout(Layout):
     self, state: MultiStepsState, params: Any = None, terms: Names = None
   ) -> MultiStepsState:
     acc = state.acc_grads
-    stacked = isinstance(acc, PerReplica) and acc.axes == self.axes
-    accs = _terms.per_term(acc.sums if stacked else _layout.one_sum(acc), terms)
-    placed = tuple(per_replica(a, params, self, stacked) for a in accs)
-    return state._replace(acc_grads=PerReplica(_terms.stored(placed, terms), self.axes))
+    target = self.like(_layout.one_sum_shapes(acc), params, terms)
+    return state._replace(acc_grads=_layout.converted(acc, target))
+
+  def like(self, sums: Any, params: Any, terms: Names = None) -> PerReplica:
+    """Shapes of the sums ``sums`` (one sum per term) as this layout stores
+    them: a leading axis of replicas split over the data axes, each partial
+    sum split like its param over the other mesh axes (``Explicit`` ones
+    included)."""
+
+    def stacked(a: Any, p: Any) -> jax.ShapeDtypeStruct:
+      rest = _spec_on(self.mesh, p) or (None,) * jnp.ndim(p)
+      sharding = NamedSharding(self.mesh, self.spec(*rest))
+      return jax.ShapeDtypeStruct((self.replicas, *a.shape), a.dtype, sharding=sharding)
+
+    trees = _terms.per_term(sums, terms)
+    stacks = tuple(jax.tree.map(stacked, tree, params) for tree in trees)
+    return PerReplica(_terms.stored(stacks, terms), self.axes)
 
   def bodies(self, bodies: Bodies) -> Bodies:
     return bodies.under(_reduction.policy(self.axes, at_window_end=True))
@@ -146,31 +158,6 @@ def data_layout(
   return PerReplicaLayout(mesh, axes)
 
 
-def per_replica(acc: Any, params: Any, layout: PerReplicaLayout, stacked: bool) -> Any:
-  """``acc`` as per-replica partial sums: a leading axis of replicas.
-
-  ``stacked``: ``acc`` holds partial sums already (of a :class:`PerReplica`
-  accumulator over ``layout``'s axes); for this many replicas they are placed
-  as they are (a checkpoint restores them as host arrays), for another
-  number summed first. One sum becomes the first replica's partial sum (the
-  others start from zeros), so a window in progress carries on exactly.
-  Each partial sum is sharded like its param over the other mesh axes,
-  ``Explicit`` ones included.
-  """
-  n = layout.replicas
-
-  def convert(a: Any, p: Any) -> jax.Array:
-    rest = _spec_on(layout.mesh, p) or (None,) * jnp.ndim(p)
-    if stacked:
-      if a.shape[0] == n:
-        return _placed(a, NamedSharding(layout.mesh, layout.spec(*rest)))
-      a = jnp.sum(a, axis=0, dtype=a.dtype)
-    a = _placed(a, NamedSharding(layout.mesh, P(*rest)))
-    return _first_replica(layout, P(*rest))(a)
-
-  return jax.tree.map(convert, acc, params)
-
-
 def _spec_on(mesh: jax.sharding.Mesh, x: Any) -> tuple[Any, ...]:
   """``x``'s partition spec, one entry per axis, if it is an array with a
   ``NamedSharding`` on ``mesh``; else ``()``."""
@@ -178,31 +165,6 @@ def _spec_on(mesh: jax.sharding.Mesh, x: Any) -> tuple[Any, ...]:
   if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
     return tuple(sharding.spec) + (None,) * (jnp.ndim(x) - len(sharding.spec))
   return ()
-
-
-def _placed(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
-  """``x`` with ``sharding``: itself when it has it already."""
-  if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
-    return x
-  return jax.device_put(x, sharding)
-
-
-@functools.cache
-def _first_replica(layout: PerReplicaLayout, spec: P) -> Any:
-  """A program that makes a sum sharded as ``spec`` the first replica's
-  partial sum, and zeros every other replica's.
-
-  A selection, not ``.at[0].set``: on an ``Explicit`` mesh, scattering a sum
-  split over ``model`` into a replicated stack is a sharding type error. Each
-  device computes only its own slice; nothing moves between devices.
-  """
-  n = layout.replicas
-
-  def stacked(a: jax.Array) -> jax.Array:
-    first = (jnp.arange(n) == 0).reshape((n,) + (1,) * a.ndim)
-    return jnp.where(first, a[None], jnp.zeros((), a.dtype))
-
-  return jax.jit(stacked, out_shardings=NamedSharding(layout.mesh, layout.spec(*spec)))
 
 
 def mesh_of(*trees: Any) -> jax.sharding.Mesh | None:
