@@ -69,15 +69,13 @@ class Layouts:
     return last (and in scan mode on every call).
     """
     acc = opt_state.acc_grads
-    on_one_device = not is_traced(params, opt_state, batch) and (
-      mesh_of(params, batch) is None and not self._replica_axes
-    )
-    if is_traced(params, opt_state, batch) or on_one_device:
+    traced = is_traced(params, opt_state, batch)
+    mesh = None if traced else mesh_of(params, batch)
+    if traced or (mesh is None and not self._replica_axes):
       own: Layout = (
         self._packed_layout(acc.packing) if isinstance(acc, Packed) else ONE_SUM
       )
       return params, self.stored(opt_state, own), own
-    mesh = mesh_of(params, batch)
     if mesh is not None:
       params, opt_state = as_returned((params, opt_state), mesh)
     layout = self._data_layout(params, opt_state, batch, rng) or ONE_SUM
@@ -107,7 +105,7 @@ class Layouts:
     device, packed where :func:`optax_accum._core._layout.packing_for` packs."""
     mesh = mesh_of(params)
     layout = None if mesh is None else self._init_per_replica(params, mesh)
-    return layout or self.packing(params) or ONE_SUM
+    return layout or self._packed_for(params) or ONE_SUM
 
   def _init_per_replica(self, params: Any, mesh: Any) -> PerReplicaLayout | None:
     config = self.bodies.config
@@ -155,7 +153,7 @@ class Layouts:
     """The step's ``axis_name`` as a tuple (``()`` for none)."""
     return _checks.axes(self.bodies.config.axis_name)
 
-  def packing(self, params: Any) -> PackedLayout | None:
+  def _packed_for(self, params: Any) -> PackedLayout | None:
     """The packed layout the step keeps on one device (see
     :func:`optax_accum._core._layout.packing_for`), once per shapes."""
     key = avals(params)
@@ -169,7 +167,7 @@ class Layouts:
 
   def _packed_layout(self, packing: _layout.Packing) -> PackedLayout:
     """The layout of a packed state: on the platform its packing was planned
-    for by :meth:`packing`, else the default backend."""
+    for by :meth:`_packed_for`, else the default backend."""
     for layout in self._packed.values():
       if layout is not None and layout.packing == packing:
         return layout
