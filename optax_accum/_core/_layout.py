@@ -392,8 +392,11 @@ def _placed_like(x: Any, like: Any) -> Any:
   sharding = like.sharding if placed and not _traced(like) else None
   if not isinstance(x, jax.Array) or x.dtype != like.dtype:
     x = jnp.asarray(x, like.dtype)
-  if sharding is None or _traced(x):
-    return x
+  return x if sharding is None or _traced(x) else _put(x, sharding)
+
+
+def _put(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+  """``x`` with ``sharding``: itself where it has it already."""
   if x.sharding.is_equivalent_to(sharding, x.ndim):
     return x
   return jax.device_put(x, sharding)
@@ -405,10 +408,7 @@ def _first_placed(total: Any, n: int, like: Any) -> Any:
   total = jnp.asarray(total, like.dtype)
   if isinstance(sharding, NamedSharding):
     inner = NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
-    total = _placed_like(
-      total, jax.ShapeDtypeStruct(total.shape, total.dtype, sharding=inner)
-    )
-    return _first_replica(sharding)(total, n)
+    return _first_replica(sharding)(_put(total, inner), n)
   out = first_replica(total, n)
   return jax.device_put(out, sharding) if sharding is not None else out
 

@@ -99,6 +99,12 @@ def _any_over(flag: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   return jax.lax.psum(jnp.asarray(flag).astype(jnp.int32), axes) > 0
 
 
+def _own_axes(window: Any) -> frozenset[str]:
+  """The mesh axes the ``window`` values (its weights) vary over: those of
+  independent windows, not of one window's model-parallel shards."""
+  return frozenset().union(*[varying_axes(v) for v in jax.tree.leaves(window)])
+
+
 @dataclasses.dataclass(frozen=True)
 class Local:
   """No data-parallel axes: weights, losses and gradients are already global."""
@@ -122,15 +128,13 @@ class Local:
     gradient: the flag is combined over the mesh axes it varies over and the
     weights do not. Per-device windows (weights that vary) stay independent.
     """
-    own = frozenset().union(*[varying_axes(x) for x in jax.tree.leaves(window)])
-    return _any_over(flag, tuple(sorted(varying_axes(flag) - own)))
+    return _any_over(flag, tuple(sorted(varying_axes(flag) - _own_axes(window))))
 
   def over_shards(self, x: jax.Array, window: Any = ()) -> jax.Array:
     """``x`` summed over the model-parallel shards of one window: the mesh
     axes it varies over and the ``window`` values (its weights) do not (see
     :meth:`any`); ``x`` itself outside ``shard_map``."""
-    own = frozenset().union(*[varying_axes(v) for v in jax.tree.leaves(window)])
-    axes = tuple(sorted(varying_axes(x) - own - set(self.axes)))
+    axes = tuple(sorted(varying_axes(x) - _own_axes(window) - set(self.axes)))
     return jax.lax.psum(x, axes) if axes else x
 
   def summed_already(self, x: Any) -> tuple[str, ...]:

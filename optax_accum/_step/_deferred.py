@@ -65,6 +65,14 @@ class DeferredLayout(PerReplicaLayout):
     return None
 
 
+def defers(config: MultiStepsConfig) -> bool:
+  """Whether ``config`` lets a window defer its gradient reduction:
+  ``on_nonfinite="skip_micro_batch"`` checks each micro-batch's whole
+  gradient, and ``noise_scale`` measures it, so they reduce it per
+  micro-batch."""
+  return config.on_nonfinite != "skip_micro_batch" and not config.noise_scale
+
+
 def candidate(
   params: Any, batch: Any, config: MultiStepsConfig, *, scan: bool
 ) -> DeferredLayout | None:
@@ -73,12 +81,10 @@ def candidate(
 
   Needs every batch leaf split along its rows (the second axis in scan mode)
   over the same ``Explicit`` mesh axes, and params on that mesh not split
-  over them (FSDP's gradients are reduce-scattered per micro-batch by XLA).
-  ``on_nonfinite="skip_micro_batch"`` checks each micro-batch's whole
-  gradient, and ``noise_scale`` measures it, so they keep the reduction per
-  micro-batch.
+  over them (FSDP's gradients are reduce-scattered per micro-batch by XLA),
+  and a ``config`` that :func:`defers`.
   """
-  if config.on_nonfinite == "skip_micro_batch" or config.noise_scale:
+  if not defers(config):
     return None
   dim = 1 if scan else 0
   found = set()

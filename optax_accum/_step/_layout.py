@@ -68,9 +68,7 @@ class Layout:
   ) -> MultiStepsState:
     """``state`` with its accumulator (any layout) in this one: exact, but
     for partial sums of another layout, added up first."""
-    if isinstance(state.acc_grads, _layout.Packed | _layout.PerReplica):
-      return state._replace(acc_grads=_layout.one_sum(state.acc_grads))
-    return state
+    return state._replace(acc_grads=_layout.one_sum(state.acc_grads))
 
   def bodies(self, bodies: Bodies) -> Bodies:
     """The program bodies for this layout: its reduction policy, its

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 
-from optax_accum._core import _backend, _checks, _layout, _terms
+from optax_accum._core import _backend, _checks, _layout
 from optax_accum._core._layout import Packed, PerReplica
 from optax_accum._core._multi_steps import MultiSteps, MultiStepsState
 from optax_accum._step import _deferred
@@ -113,8 +113,8 @@ class Layouts:
     if self._replica_axes:
       axes = self._replica_axes
       return None if split & set(axes) else PerReplicaLayout(mesh, axes)
-    if config.on_nonfinite == "skip_micro_batch" or config.noise_scale:
-      return None  # Reduced per micro-batch (see _deferred.candidate).
+    if not _deferred.defers(config):
+      return None
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     axes = tuple(
       a for a in mesh.axis_names if types[a] == AxisType.Explicit and a not in split
@@ -231,11 +231,5 @@ def avals(tree: Any) -> tuple[Any, ...]:
 
 def _stacked_like(optimizer: MultiSteps, params: Any, layout: PerReplicaLayout) -> Any:
   """Shapes of the accumulator in ``layout`` (per-replica partial sums)."""
-  config = optimizer.config
-  names = config.terms
-
-  def sums(params: Any) -> Any:
-    window = _terms.empty(params, config.accumulator_dtype, names)
-    return _terms.joined(window, names).acc_grads
-
-  return layout.like(jax.eval_shape(sums, params), params, names).sums
+  sums = jax.eval_shape(optimizer.init, params).acc_grads
+  return layout.like(sums, params, optimizer.config.terms).sums
