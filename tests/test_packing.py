@@ -192,23 +192,22 @@ def _program(model, program):
   "program", ["accumulate", pytest.param("update", marks=pytest.mark.long)]
 )  # The update program's figures: 28 s of CPU, in the long run.
 def test_a_model_of_many_small_leaves_is_packed_by_default(program, monkeypatch):
-  """400 leaves of 32x32: 13 buffers of sums in place of 400, in and out.
-  The price: one more pass over the gradients (concatenated), and in the
-  update one more over the sums (cut into leaves for the optimizer); as
-  scratch, a few groups' gradients (live until they are concatenated) and in
-  the update the cut sums."""
+  """400 leaves of 32x32: 50 buffers of sums in place of 400, in and out.
+  The price: in the update, one more pass over the sums (cut into leaves for
+  the optimizer); as scratch, a few groups' gradients (live until they are
+  concatenated) and in the update the cut sums. The accumulate program,
+  whose concatenation XLA fuses into the add, accesses no more bytes than
+  the unpacked one."""
   model = accumulation.MODELS["leaves-400x32-b4"]()
   packed = _program(model, program)
   _min_leaves(monkeypatch, 10**9)
   one_sum = _program(model, program)
-  groups = (
-    400 * 32 * 32 // _backend.of(jax.default_backend()).max_group_size
-  )  # 12 full groups, 1 part one.
-  fewer = 399 - groups
+  max_group = _backend.of(jax.default_backend()).max_group_size
+  fewer = 400 - -(-400 * 32 * 32 // max_group)  # 50 groups of 8 leaves.
   assert (one_sum[0] - packed[0], one_sum[1] - packed[1]) == (fewer, fewer)
   sums = 400 * 32 * 32 * 4
-  passes, scratch = {"accumulate": (1, sums // 2), "update": (2, sums)}[program]
-  assert one_sum[2] < packed[2] <= one_sum[2] + 2 * passes * sums
+  passes, scratch = {"accumulate": (0, sums // 2), "update": (1, sums)}[program]
+  assert packed[2] <= one_sum[2] + 2 * passes * sums
   assert one_sum[3] < packed[3] <= one_sum[3] + scratch
 
 

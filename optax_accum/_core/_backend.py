@@ -52,7 +52,8 @@ class Backend(NamedTuple):
     max_leaf_size: Leaves of at most this many elements are packed.
     min_leaves: A dtype with fewer small leaves is left as it is.
     max_group_size: A group holds at most this many elements (its leaves'
-      gradients stay live until they are concatenated).
+      gradients stay live until they are concatenated, and XLA:CPU's compile
+      time of each leaf's slice grows with its group's size).
     two_programs: Whether the call that ends a window runs the accumulate
       program and then the window's end, rather than one program.
     quick_compile: XLA options for programs whose compile time matters more
@@ -62,7 +63,7 @@ class Backend(NamedTuple):
   packs: bool = False
   max_leaf_size: int = 4096
   min_leaves: int = 16
-  max_group_size: int = 32768
+  max_group_size: int = 8192
   two_programs: bool = False
   quick_compile: dict[str, Any] | None = None
 
