@@ -4,7 +4,7 @@ import chex
 import jax.numpy as jnp
 import numpy as np
 
-from optax_accum._core import _reduction, _window
+from optax_accum._core import _reduction, _terms, _window
 
 LOCAL = _reduction.Local()
 
@@ -36,14 +36,15 @@ class WindowTest(chex.TestCase):
     add = self.variant(_add(True, False))
     window = _run(add, zip(grads, losses, weights, strict=True))
     expected = (weights[:, None] * grads.astype(np.float64)).sum(0) / weights.sum()
-    grad, squares = _window.finish(window, {"w": jnp.zeros(3)})
+    like = {"w": jnp.zeros(3)}
+    grad, squares = _window.gradient(window, like), _window.squares(window, like)
     np.testing.assert_allclose(grad["w"], expected, rtol=1e-6)
     np.testing.assert_allclose(squares, (expected**2).sum(), rtol=1e-6)
     np.testing.assert_allclose(
       _window.mean_loss(window), (weights * losses).sum() / weights.sum(), rtol=1e-6
     )
     assert int(window.mini_step) == 5
-    assert not bool(_window.nonfinite(window, squares))
+    assert not bool(_terms.nonfinite((window,), squares))
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_bad_weights_and_nonfinite_gradients_add_nothing(self):
@@ -72,7 +73,7 @@ class WindowTest(chex.TestCase):
       acc_weight=jnp.float32(3.0),
     )
     squares = _window.squares(window, {"w": jnp.zeros(2)})
-    assert bool(_window.nonfinite(window, squares))
+    assert bool(_terms.nonfinite((window,), squares))
     reset = self.variant(lambda w, ends: _window.reset(w, ends))
     kept = reset(window, jnp.array(False))
     np.testing.assert_array_equal(kept.acc_grads["w"], [np.nan, 1.0])
@@ -91,6 +92,6 @@ class WindowTest(chex.TestCase):
     for grad, weight in [(4.0, 2.0), (6.0, 3.0)]:
       kept = _window.admit(window, grad, grad, weight, reduction=LOCAL)
       window = _window.add(window, grad, grad, kept, reduction=LOCAL, weigh=False)
-    grad, _ = _window.finish(window, jnp.zeros(()))
+    grad = _window.gradient(window, jnp.zeros(()))
     assert float(grad) == 2.0  # (4 + 6) / (2 + 3)
     assert float(_window.mean_loss(window)) == 2.0

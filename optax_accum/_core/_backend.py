@@ -1,29 +1,9 @@
 """The backend seam: every mechanism whose best form depends on the platform.
 
 Programs are the same maths on every backend; what differs is how XLA runs
-their control flow and what a buffer costs the host:
-
-- **Skipping the optimizer.** XLA:CPU and TPU run a ``while`` loop or a
-  ``cond`` on the device; a loop that runs once or never updates params and
-  optimizer state in place (:func:`once_if`). XLA:GPU copies a data-dependent
-  predicate to the host and waits for the device on every execution, so there
-  the optimizer runs on every call that can end a window and a select keeps
-  the old values where it must not apply (fused into its elementwise
-  kernels). :func:`once_if` lowers to one or the other for
-  the platform the program is lowered for (``lax.platform_dependent``), so a
-  program traced on a CPU-only machine and lowered for ``cuda`` holds the
-  GPU form.
-- **Packing small leaves** (:class:`Backend` ``packs``, ``max_leaf_size``
-  and the rest): the host's cost per buffer and XLA:CPU's kernel per small
-  add, measured on XLA:CPU (``docs/benchmarks.md``, many small leaves); off
-  elsewhere until measured there.
-- **Ending a window in two programs** (``two_programs``): on XLA:CPU, where a
-  dispatch weighs as much as the work, an accumulate program then the
-  window's end beat one program that does both.
-- **The finite check's marker** (:func:`nan_marker`).
-
-The host side asks :func:`of` with :func:`platform_of` the params; the
-programs call :func:`once_if`.
+their control flow (:func:`once_if`) and what a buffer or a dispatch costs the
+host (:class:`Backend`). The host side asks :func:`of` with :func:`platform_of`
+the params; the programs call :func:`once_if`.
 
 Examples:
   >>> of("cpu").packs, of("cuda").packs, of("cpu").two_programs, of("tpu").two_programs
@@ -76,11 +56,9 @@ _WITHOUT_LLVM_PASSES = {
   "xla_backend_optimization_level": 0,
   "xla_llvm_disable_expensive_passes": True,
 }
-#: By platform name (``jax.Device.platform``); others get ``_DEFAULT``. Each
-#: choice is measured on the backend it is for: packing and two programs on
-#: XLA:CPU (``docs/benchmarks.md``, many small leaves). GPUs and TPUs keep
-#: one buffer a leaf and one program until measured there, and compile the
-#: audit's programs as any other.
+#: By platform name (``jax.Device.platform``); others get ``_DEFAULT`` until
+#: measured there. XLA:CPU packs (a cost per buffer, a kernel per small add) and
+#: runs two programs (a dispatch weighs as much as the work): docs/benchmarks.md.
 _BACKENDS = {
   "cpu": Backend(packs=True, two_programs=True, quick_compile=_WITHOUT_LLVM_PASSES)
 }
@@ -124,26 +102,17 @@ def platform_of(tree: Any) -> str:
   return jax.default_backend()
 
 
-def _loop_once(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
-  return jax.lax.while_loop(
-    lambda carry: carry[0],
-    lambda carry: (jnp.zeros_like(carry[0]), fn(carry[1])),
-    (pred, init),
-  )[1]
-
-
-def _selected(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
-  return jax.tree.map(lambda new, old: jnp.where(pred, new, old), fn(init), init)
-
-
 def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
   """``fn(init)`` if ``pred`` else ``init``; ``init`` typed like ``fn``'s
-  outputs.
+  outputs, in the form for the platform the program is lowered for
+  (``lax.platform_dependent``).
 
   On CPU and TPU a loop that runs once or never: XLA updates its carry
   (params, optimizer state) in place, where a ``cond`` or a select keeps both
-  old and new values alive. On GPUs ``fn`` always runs and a select keeps
-  ``init`` where ``pred`` is false: no predicate goes to the host.
+  old and new values alive. XLA:GPU copies a data-dependent predicate to the
+  host and waits for the device on every execution, so there ``fn`` always
+  runs and a select (fused into its elementwise kernels) keeps ``init`` where
+  ``pred`` is false.
 
   Examples:
     >>> float(once_if(jnp.array(True), lambda x: x + 1, jnp.array(1.0)))
@@ -151,11 +120,18 @@ def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
   """
 
   def looped(p: jax.Array, i: Any) -> Any:
-    return _loop_once(p, fn, i)
+    return jax.lax.while_loop(
+      lambda carry: carry[0],
+      lambda carry: (jnp.zeros_like(carry[0]), fn(carry[1])),
+      (p, i),
+    )[1]
+
+  def selected(p: jax.Array, i: Any) -> Any:
+    return jax.tree.map(lambda new, old: jnp.where(p, new, old), fn(i), i)
 
   # One callable for CPU and TPU: platform_dependent traces each distinct one.
   return jax.lax.platform_dependent(
-    pred, init, cpu=looped, tpu=looped, default=lambda p, i: _selected(p, fn, i)
+    pred, init, cpu=looped, tpu=looped, default=selected
   )
 
 

@@ -47,19 +47,6 @@ def check_tree_matches(tree: Any, reference: Any, *, name: str, ref_name: str) -
       )
 
 
-def check_inexact_leaves(tree: Any, *, name: str) -> None:
-  """Raises ``ValueError`` naming the first leaf that is not floating point."""
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    dtype = jnp.result_type(leaf)
-    if not jnp.issubdtype(dtype, jnp.inexact):
-      raise ValueError(
-        f"`{name}` leaf {jax.tree_util.keystr(path)} has dtype {dtype}; only "
-        "floating-point leaves can be accumulated. Keep integer state (step "
-        "counters, indices) out of the tree you optimise, or wrap the "
-        "optimizer in `optax.masked` and pass only the trainable subtree."
-      )
-
-
 def scalar(value: ArrayLike, *, name: str, dtype: Any) -> jax.Array:
   """Returns ``value`` as a scalar array of ``dtype``, or raises ``ValueError``.
 
@@ -156,7 +143,7 @@ def axes(axis_name: str | tuple[str, ...] | None) -> tuple[str, ...]:
 
 
 def check_trainable_leaves(tree: Any, *, name: str) -> None:
-  """:func:`check_inexact_leaves`, pointing RNG state to the recipe that splits it.
+  """Raises ``ValueError`` naming the first leaf that is not floating point.
 
   A tree that holds PRNG keys (a Flax NNX model with ``nnx.Dropout``, or its
   whole ``nnx.split`` state) fails on its key or its counter, neither of
@@ -173,21 +160,27 @@ def check_trainable_leaves(tree: Any, *, name: str) -> None:
   """
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
   keys = [path for path, leaf in leaves if _is_prng_key(leaf)]
-  if keys:
-    for path, leaf in leaves:
-      dtype = leaf.dtype if hasattr(leaf, "dtype") else jnp.result_type(leaf)
-      if not jnp.issubdtype(dtype, jnp.inexact):
-        raise ValueError(
-          f"`{name}` leaf {jax.tree_util.keystr(path)} has dtype {dtype}: "
-          f"`{name}` holds RNG state (a PRNG key at "
-          f"{jax.tree_util.keystr(keys[0])}), such as a Flax NNX model's "
-          "nnx.Dropout or nnx.Rngs key and counter, which cannot be trained. "
-          "Pass only the params, `graphdef, params, rest = nnx.split(model, "
-          "nnx.Param, ...)`, and merge `rest` back inside `loss_fn`, reseeded "
-          'with the key the step gives it: see "Flax NNX with dropout" in '
-          "docs/recipes.md."
-        )
-  check_inexact_leaves(tree, name=name)
+  for path, leaf in leaves:
+    dtype = leaf.dtype if keys and hasattr(leaf, "dtype") else jnp.result_type(leaf)
+    if jnp.issubdtype(dtype, jnp.inexact):
+      continue
+    if keys:
+      raise ValueError(
+        f"`{name}` leaf {jax.tree_util.keystr(path)} has dtype {dtype}: "
+        f"`{name}` holds RNG state (a PRNG key at "
+        f"{jax.tree_util.keystr(keys[0])}), such as a Flax NNX model's "
+        "nnx.Dropout or nnx.Rngs key and counter, which cannot be trained. "
+        "Pass only the params, `graphdef, params, rest = nnx.split(model, "
+        "nnx.Param, ...)`, and merge `rest` back inside `loss_fn`, reseeded "
+        'with the key the step gives it: see "Flax NNX with dropout" in '
+        "docs/recipes.md."
+      )
+    raise ValueError(
+      f"`{name}` leaf {jax.tree_util.keystr(path)} has dtype {dtype}; only "
+      "floating-point leaves can be accumulated. Keep integer state (step "
+      "counters, indices) out of the tree you optimise, or wrap the "
+      "optimizer in `optax.masked` and pass only the trainable subtree."
+    )
 
 
 def _is_prng_key(leaf: Any) -> bool:

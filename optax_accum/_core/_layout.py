@@ -1,20 +1,8 @@
 """The accumulator's layout: a rule of the params, kept in the state's structure.
 
-``opt_state.acc_grads`` holds the window's sums in one of three layouts, and
-its pytree structure says which (never a shape):
-
-- **one sum**: laid out as the params (a tree like them, per loss term);
-- :class:`Packed`: the sums of many small leaves of one dtype in a few
-  buffers (groups), the others as they are. A train step's
-  ``step.init(params)`` on one device packs where :func:`packing_for` says
-  so: every buffer a program takes costs the host time on every call, and
-  XLA:CPU runs a kernel per small add;
-- :class:`PerReplica`: one partial sum per data-parallel replica, stacked
-  along a leading axis (a train step's ``step.init(params)`` on a mesh).
-
-:func:`relayout` converts a state to the layout of another, exactly where the
-maths allows (unpack, pack, the sum as the first replica's partial sum, the
-partial sums added up).
+``opt_state.acc_grads`` holds the window's sums as one sum (laid out as the
+params), :class:`Packed` or :class:`PerReplica`, and its pytree structure says
+which (never a shape); :func:`relayout` converts a state to another's layout.
 
 Examples:
   >>> import jax.numpy as jnp
@@ -33,7 +21,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -263,11 +250,6 @@ def replicas(acc: PerReplica) -> int:
   return int(np.shape(jax.tree.leaves(acc.sums)[0])[0])
 
 
-def summed(acc: PerReplica) -> Any:
-  """The partial sums added up: one sum."""
-  return jax.tree.map(lambda a: jnp.sum(a, axis=0, dtype=a.dtype), acc.sums)
-
-
 def first_replica(total: jax.Array, n: int) -> jax.Array:
   """``total`` as the first of ``n`` replicas' partial sums (zeros for the
   others): a select, so that a sharded sum moves nothing."""
@@ -283,7 +265,7 @@ def one_sum(acc: Any) -> Any:
   if isinstance(acc, Packed):
     return unpack(acc)
   if isinstance(acc, PerReplica):
-    return summed(acc)
+    return jax.tree.map(lambda a: jnp.sum(a, axis=0, dtype=a.dtype), acc.sums)
   return acc
 
 
@@ -320,32 +302,19 @@ def relayout(state: MultiStepsState, like: MultiStepsState) -> MultiStepsState:
   target = None if like is None else like.acc_grads
   if _same_layout(acc, target):
     return state
-  with _own_placement(state, like):
-    return _relayout(state, acc, target)
-
-
-@contextlib.contextmanager
-def _own_placement(*trees: Any) -> Iterator[None]:
-  """Outside a trace: no context mesh (under the user's ``jax.set_mesh``,
-  arrays committed to other devices cannot meet in a program); the arrays'
-  own shardings place every computation."""
-  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees)):
-    yield
-    return
-  with jax.set_mesh(None):
-    yield
-
-
-def _relayout(state: MultiStepsState, acc: Any, target: Any) -> MultiStepsState:
-  total = one_sum_shapes(acc)
-  _checks.check_tree_matches(
-    total,
-    one_sum_shapes(target) if target is not None else total,
-    name="state's accumulator",
-    ref_name="`like`'s (relayout converts states of the same params; start a "
-    "state for other params from opt.init(params))",
-  )
-  return state._replace(acc_grads=converted(acc, target))
+  # Outside a trace, no context mesh (under the user's jax.set_mesh, arrays
+  # committed to other devices cannot meet): their own shardings place the work.
+  traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((state, like)))
+  with contextlib.nullcontext() if traced else jax.set_mesh(None):
+    total = one_sum_shapes(acc)
+    _checks.check_tree_matches(
+      total,
+      one_sum_shapes(target) if target is not None else total,
+      name="state's accumulator",
+      ref_name="`like`'s (relayout converts states of the same params; start a "
+      "state for other params from opt.init(params))",
+    )
+    return state._replace(acc_grads=converted(acc, target))
 
 
 def one_sum_shapes(acc: Any) -> Any:
@@ -386,8 +355,7 @@ def converted(acc: Any, target: Any) -> Any:
 
 
 def _placed_like(x: Any, like: Any) -> Any:
-  """``x`` in ``like``'s dtype and, where it has one, sharding (itself if
-  it has both)."""
+  """``x`` in ``like``'s dtype and, where it has one, sharding."""
   placed = isinstance(like, jax.Array | jax.ShapeDtypeStruct)
   sharding = like.sharding if placed and not _traced(like) else None
   if not isinstance(x, jax.Array) or x.dtype != like.dtype:

@@ -1,24 +1,12 @@
 r"""The gradient noise scale of each window, from the window's own units.
 
 A window's *units* are the gradients it adds: one per micro-batch, or one per
-micro-batch and replica where each replica passes its own (``axis_name``).
-Unit :math:`i` is the mean gradient :math:`g_i` over its :math:`w_i` items;
-the window's gradient is :math:`G = \sum_i w_i g_i / W`, :math:`W = \sum_i w_i`.
-If items draw independent gradients of mean :math:`\mu` and covariance
-:math:`\Sigma`, then :math:`E|g_i|^2 = |\mu|^2 + \operatorname{tr}\Sigma / w_i`,
-so with :math:`A = \sum_i w_i |g_i|^2 / W` and :math:`k` units of positive
-weight
-
-.. math::
-  \widehat{\operatorname{tr}\Sigma} = \frac{W (A - |G|^2)}{k - 1}, \qquad
-  \widehat{|\mu|^2} = \frac{k |G|^2 - A}{k - 1}
-
-are unbiased for any weights (McCandlish et al.'s estimators are the case of
-equal ones), and :math:`B_\text{simple} = \operatorname{tr}\Sigma / |\mu|^2`
-(``docs/noise_scale.md``). The window adds :math:`w_i |g_i|^2` as each unit
-arrives, summed over replicas in the reduction that sums the weights: no
-collective of its own (a leaf split over a model-parallel axis in
-``shard_map`` adds its shards' squares, a scalar's sum over that axis).
+micro-batch and replica where each replica passes its own (``axis_name``). From
+unit :math:`i`'s mean gradient :math:`g_i` over :math:`w_i` items
+(:math:`W = \sum_i w_i`), :math:`G = \sum_i w_i g_i / W` and
+:math:`A = \sum_i w_i |g_i|^2 / W` give unbiased estimates of
+:math:`\operatorname{tr}\Sigma` and :math:`|\mu|^2`, with no collective of their
+own (``docs/noise_scale.md``).
 
 Examples:
   Two units of 1 and 3 items, gradients 1 and 3 (:math:`G = 2.5`,
@@ -81,28 +69,19 @@ def measures(noise: Any) -> bool:
   return isinstance(noise, NoiseScaleState)
 
 
-def _square_sum(grads: Any, weight: jax.Array, reduction: Any) -> jax.Array:
-  """The squared norm of ``grads`` (any layout: packed groups hold the same
-  elements) in ``weight``'s dtype; a leaf split over model-parallel mesh axes
-  (inside ``shard_map``) is summed over its shards."""
+def unit_share(
+  grads: Any, weight: jax.Array, adds: jax.Array, grad_reduction: str, reduction: Any
+) -> jax.Array:
+  """One unit's term of ``acc_squares``: :math:`w |g|^2` for a gradient of a
+  mean, :math:`|x|^2 / w` for one of a sum (or of a share of the window's
+  mean); 0 where the unit does not add. ``grads`` in any layout (packed groups
+  hold the same elements); a leaf split over model-parallel mesh axes is summed
+  over its shards."""
   sums = [jnp.zeros([], weight.dtype)]
   for g in jax.tree.leaves(grads):
     g = jnp.abs(jnp.asarray(g)).astype(weight.dtype)
     sums.append(reduction.over_shards(jnp.sum(jnp.square(g)), weight))
-  return jnp.sum(jnp.stack(sums))
-
-
-def unit_share(
-  grads: Any,
-  weight: jax.Array,
-  adds: jax.Array,
-  grad_reduction: str,
-  reduction: Any,
-) -> jax.Array:
-  """One unit's term of ``acc_squares``: :math:`w |g|^2` for a gradient of a
-  mean, :math:`|x|^2 / w` for one of a sum (or of a share of the window's
-  mean); 0 where the unit does not add."""
-  squares = _square_sum(grads, weight, reduction)
+  squares = jnp.sum(jnp.stack(sums))
   safe = jnp.where(weight > 0, weight, jnp.ones_like(weight))
   share = squares * weight if grad_reduction == "mean" else squares / safe
   return jnp.where(adds, share, jnp.zeros_like(share))

@@ -1,26 +1,11 @@
 """The reduction policy: what a window's sums are summed over, and when.
 
-The caller builds the policy and passes it to the window arithmetic
-(:mod:`optax_accum._core._window`), which never reduces anything itself:
-
-- :class:`Local`: nothing to sum over. Under plain ``jit`` with sharded
-  arrays every value is already global.
-- :class:`Replicas`: inside ``shard_map`` or ``pmap``, the data-parallel axes
-  ``axes`` hold one replica each, and every weight, loss and gradient the
-  caller passes is that replica's own. ``at_window_end=True`` keeps gradients
-  per replica until the window ends (one reduction per window); otherwise
-  they are summed as they are added.
-- :class:`Deferred`: under plain ``jit`` on an ``Explicit`` mesh, values are
-  global as with :class:`Local`, but the gradients of the params it casts to
-  JAX's ``reduced`` type come out ``unreduced`` (each device's partial sum
-  over the data axes) and stay so until the window ends.
-
-One fact comes from JAX rather than from the caller: under ``shard_map``
-with ``check_vma=True`` a gradient of params that entered the map replicated
-is typed invariant over the data axes, because autodiff summed it already.
-Summing it again would multiply it by the replica count, so such a gradient
-is counted once (``grad_reduction="sum"``) or refused with the fix
-(``"mean"``: its per-replica weights can no longer be applied).
+The caller builds a :class:`Local`, :class:`Replicas` or :class:`Deferred`
+policy and passes it to the window arithmetic (:mod:`optax_accum._core._window`),
+which never reduces anything itself. Under ``shard_map`` with ``check_vma=True``
+JAX types a gradient of params that entered the map replicated as invariant over
+the data axes, summed already: it is counted once (``grad_reduction="sum"``) or
+refused with the fix (``"mean"``: its per-replica weights can no longer apply).
 """
 
 from __future__ import annotations
@@ -59,18 +44,10 @@ def unreduced_axes(x: Any) -> frozenset[str]:
 
 
 def check_replicas(axis_name: AxisName | None, weight: Any) -> None:
-  """Refuses per-replica weights under manual axes that no ``axis_name`` names.
-
-  Under ``pmap`` or ``shard_map`` each replica adds its own micro-batches;
-  without ``axis_name`` each divides by its own window weight, so replicated
-  params drift apart even where the caller averaged the gradients. A weight
-  JAX types as the same on every replica (``shard_map``'s ``check_vma``) is
-  fine; under ``pmap`` JAX cannot tell, so any ``weight`` is refused there.
-  ``axis_name=()`` says the replicas are independent on purpose.
-
-  Raises:
-    ValueError: naming the manual axes and ``axis_name=``.
-  """
+  """Refuses per-replica weights under manual axes that no ``axis_name`` names
+  (each replica would divide by its own window weight). A weight typed the same
+  on every replica (``check_vma``) passes; under ``pmap`` any ``weight`` is
+  refused. ``axis_name=()`` says the replicas are independent on purpose."""
   if axis_name is not None or weight is None:
     return
   manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
@@ -100,8 +77,7 @@ def _any_over(flag: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 
 
 def _own_axes(window: Any) -> frozenset[str]:
-  """The mesh axes the ``window`` values (its weights) vary over: those of
-  independent windows, not of one window's model-parallel shards."""
+  """The mesh axes of independent windows: those ``window``'s weights vary over."""
   return frozenset().union(*[varying_axes(v) for v in jax.tree.leaves(window)])
 
 
@@ -131,9 +107,7 @@ class Local:
     return _any_over(flag, tuple(sorted(varying_axes(flag) - _own_axes(window))))
 
   def over_shards(self, x: jax.Array, window: Any = ()) -> jax.Array:
-    """``x`` summed over the model-parallel shards of one window: the mesh
-    axes it varies over and the ``window`` values (its weights) do not (see
-    :meth:`any`); ``x`` itself outside ``shard_map``."""
+    """``x`` summed over the model-parallel shards of one window (see :meth:`any`)."""
     axes = tuple(sorted(varying_axes(x) - _own_axes(window) - set(self.axes)))
     return jax.lax.psum(x, axes) if axes else x
 
@@ -179,17 +153,14 @@ class Replicas(Local):
     object.__setattr__(self, "at_window_end", at_window_end)
 
   @property
-  def _named(self) -> AxisName:
-    return self.axes[0] if len(self.axes) == 1 else self.axes
-
-  @property
   def typed(self) -> bool:
     """Whether JAX types values as varying per replica (``check_vma=True``)."""
     try:
       probe = jax.lax.axis_index(self.axes[0])
     except NameError as e:
+      named = self.axes[0] if len(self.axes) == 1 else self.axes
       raise ValueError(
-        f"`axis_name` {self._named!r} is not a mesh axis here: call inside "
+        f"`axis_name` {named!r} is not a mesh axis here: call inside "
         "shard_map or pmap over it, or drop `axis_name` under plain jit, where "
         "sharded gradients are already global."
       ) from e
@@ -269,19 +240,11 @@ class Replicas(Local):
 
 @dataclasses.dataclass(frozen=True)
 class Deferred(Local):
-  """Plain ``jit`` on an ``Explicit`` mesh, the batch's rows split over the
-  data axes ``over``: one gradient reduction per window, the loss still
-  seeing the global batch.
-
-  The params that ``leaves`` marks (one bool per params leaf, in tree order)
-  enter the gradient typed ``reduced`` over ``over``, so JAX leaves their
-  gradients ``unreduced``: each device's partial sum, added up across micro-
-  batches without communication and reduced once, in :meth:`window_gradient`.
-  The others' gradients are reduced as XLA computes them (an add of a
-  ``reduced`` param to data-split activations has no rule in JAX yet) and
-  join the partial sums on the first replica.
-  Weights, losses and every other value are global, as with :class:`Local`.
-  """
+  """Plain ``jit`` on an ``Explicit`` mesh, the batch split over the data axes
+  ``over``. The params ``leaves`` marks (a bool per leaf, in tree order) enter
+  the gradient typed ``reduced``, so their gradients stay ``unreduced`` partial
+  sums until :meth:`window_gradient`; the others' join them on the first
+  replica. Every other value is global, as with :class:`Local`."""
 
   mesh: Any = None
   over: tuple[str, ...] = ()

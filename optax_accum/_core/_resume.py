@@ -1,13 +1,8 @@
 """A restore target for a checkpoint taken in any layout, on any devices.
 
-A checkpoint records the accumulator's layout in its structure, and per-replica
-partial sums in their leading axis: a mid-window checkpoint of 8 replicas holds
-sums of shape ``(8, ...)``, which a target from ``step.init(params)`` on 4
-devices (``(4, ...)``) or on one (params-shaped) cannot receive.
-:func:`resume_target` builds the target from the state you resume with and
-the checkpoint's own shapes; the state it restores goes to any step, which
-lays it out for its devices (per-replica sums of another count are added up
-once, exactly the window's sum up to the order of that add).
+A checkpoint's layout (per-replica sums of shape ``(8, ...)`` for 8 replicas)
+may fit no target from ``step.init(params)`` on the devices you resume on:
+:func:`resume_target` builds one.
 
 Examples:
   A state saved with 8 replicas' partial sums, resumed on one device:

@@ -25,8 +25,8 @@ Examples:
   ...   grads, weights = (tokens_grad, aux_grad), (tokens, 1.0)
   ...   kept = _terms.admit(window, grads, (None, None), weights, reduction=local)
   ...   window = _terms.add(window, grads, (None, None), kept, reduction=local)
-  >>> grad, squares = _terms.finish(window, jnp.zeros(()))
-  >>> float(grad)  # (1 * 1 + 3 * 3) / 4 + (10 + 20) / 2
+  >>> # (1 * 1 + 3 * 3) / 4 + (10 + 20) / 2:
+  >>> float(_terms.gradient(window, jnp.zeros(())))
   17.5
 """
 
@@ -112,11 +112,6 @@ def admit(
   )
 
 
-def dropped(kept: tuple[Admission, ...]) -> jax.Array:
-  """Whether the micro-batch was dropped (by its weight or its values)."""
-  return kept[0].dropped
-
-
 def add(
   window: Terms,
   grads: tuple[Any, ...],
@@ -165,11 +160,6 @@ def squares(window: Terms, like: Any, divide: bool = True) -> jax.Array:
   one = jnp.ones([], window[0].acc_weight.dtype)
   total = gradient(window, like, divide)
   return _window.squares(Window(window[0].mini_step, total, one, one), like, False)
-
-
-def finish(window: Terms, like: Any, divide: bool = True) -> tuple[Any, jax.Array]:
-  """The window's gradient and its squared norm."""
-  return gradient(window, like, divide), squares(window, like, divide)
 
 
 def nonfinite(window: Terms, squares: jax.Array) -> jax.Array:

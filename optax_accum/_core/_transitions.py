@@ -17,14 +17,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.typing import ArrayLike
 
-from optax_accum._core import (
-  _checks,
-  _hyperparams,
-  _noise,
-  _reduction,
-  _terms,
-  _window,
-)
+from optax_accum._core import _checks, _hyperparams, _noise, _reduction, _terms, _window
 from optax_accum._core._state import (
   WINDOW_MICRO_STEPS,
   WINDOW_WEIGHT,
@@ -183,11 +176,12 @@ def add_micro_batch(
   )
   weigh = config.grad_reduction == "mean"
   window = _terms.add(window, grads, loss, kept, reduction=reduction, weigh=weigh)
+  dropped = kept[0].dropped  # By its weight or its values, in every term.
   if config.grad_reduction == "window_mean":  # Shares of the whole window's mean.
-    window = _terms.spoil(window, _terms.dropped(kept))
+    window = _terms.spoil(window, dropped)
   added = with_window(config, state, window)._replace(
     updated=jnp.zeros_like(state.updated),
-    skipped_micro_batches=_count_if(_terms.dropped(kept), state.skipped_micro_batches),
+    skipped_micro_batches=_count_if(dropped, state.skipped_micro_batches),
     skip_state=skip_state,
     micro_batches_seen=optax.safe_increment(
       jnp.asarray(state.micro_batches_seen, jnp.int32)

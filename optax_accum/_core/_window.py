@@ -1,7 +1,7 @@
 """Window arithmetic: the running sums of one accumulation window.
 
 Pure functions over a small state, :class:`Window`: admit a micro-batch (the
-bad-weight and non-finite policy), add it, finish the window into its
+bad-weight and non-finite policy), add it, end the window in its
 gradient and squared norm, reset. No optax and no collectives: whatever must
 be summed over data-parallel replicas goes through the ``reduction`` policy
 the caller passes (:mod:`optax_accum._core._reduction`).
@@ -17,10 +17,8 @@ Examples:
   >>> for grad, weight in [(1.0, 1.0), (3.0, 3.0)]:
   ...   kept = _window.admit(window, grad, None, weight, reduction=local)
   ...   window = _window.add(window, grad, None, kept, reduction=local)
-  >>> grad, squares = _window.finish(window, jnp.zeros(()))
-  >>> bool(_window.nonfinite(window, squares))
-  False
-  >>> float(grad), float(squares)
+  >>> like = jnp.zeros(())
+  >>> float(_window.gradient(window, like)), float(_window.squares(window, like))
   (2.5, 6.25)
 """
 
@@ -253,12 +251,12 @@ def add(
 
 def spoil(window: Window, where: ArrayLike) -> Window:
   """``window`` with a NaN sum where ``where``: it will end without an update
-  (see :func:`nonfinite`), as a window holding a NaN gradient does. For sums of
+  (its :func:`squares` is NaN), as a window holding a NaN gradient does. For sums of
   shares of the window's mean, which cannot drop one micro-batch alone.
 
   Examples:
     >>> w = spoil(empty(jnp.zeros(2)), True)
-    >>> bool(nonfinite(w, squares(w, jnp.zeros(2))))
+    >>> bool(jnp.isnan(squares(w, jnp.zeros(2))))
     True
   """
   where = jnp.asarray(where)
@@ -308,17 +306,6 @@ def squares(window: Window, like: Any, divide: bool = True) -> jax.Array:
     g = jnp.abs(g).astype(dtype)
     total = total + jnp.sum(jnp.square(g) + _backend.nan_marker(g))
   return total
-
-
-def nonfinite(window: Window, squares: jax.Array) -> jax.Array:
-  """Whether the window's gradient (``squares`` from :func:`squares`), loss or
-  weight holds a NaN or an infinity: such a window ends without an update."""
-  return jnp.isnan(squares) | ~all_finite(window.acc_loss, window.acc_weight)
-
-
-def finish(window: Window, like: Any, divide: bool = True) -> tuple[Any, jax.Array]:
-  """The window's gradient and its squared norm (see :func:`squares`)."""
-  return gradient(window, like, divide), squares(window, like, divide)
 
 
 def reset(window: Window, ends: ArrayLike) -> Window:

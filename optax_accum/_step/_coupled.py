@@ -1,24 +1,9 @@
-"""Losses that couple a window's micro-batches, made exact in two passes.
-
-A contrastive loss uses every example of the batch as a negative of every
-other; a mixture-of-experts balance loss takes its expert fractions over the
-whole batch. Neither is a sum over micro-batches, so accumulating it per
-micro-batch trains another objective. With :class:`CoupledLoss` the step runs
-a window in two passes (Gradient Cache, Gao et al. 2021):
-
-1. forward only, micro-batch by micro-batch: each one's representations
-   ``z_i = represent(params, b_i)``; then the window loss ``L`` over all of
-   them at once, and its gradient ``c_i = dL/dz_i`` for each micro-batch;
-2. micro-batch by micro-batch again, the parameter gradient of ``<c_i,
-   represent(params, b_i)>``, the vector-Jacobian product of ``z_i`` with
-   ``c_i``; summed over the window it is ``dL/dparams``, exactly.
-
-Pass 2 is the ordinary scan-mode window of :class:`MultiSteps` on a loss whose
-gradient is that product (its value is ``L``), as the loss term ``"window"``,
-beside the per-example ``loss_fn`` as the term ``"examples"``: weights,
-schedules, non-finite skipping and checkpoints work as for any window. It
-costs one more forward per micro-batch; it keeps the window's
-representations and their cotangents, and one micro-batch's activations.
+"""Losses that couple a window's micro-batches (a contrastive loss, a
+mixture-of-experts balance loss), made exact in two passes (Gradient Cache):
+each micro-batch's representations and the window loss's cotangents for them,
+then the scan-mode window of :class:`MultiSteps` on a surrogate loss whose
+gradient is their vector-Jacobian product, as the loss term ``"window"``
+(docs/coupled.md).
 """
 
 from __future__ import annotations
@@ -93,12 +78,6 @@ def _joined(tree: Any) -> Any:
   return jax.tree.map(join, tree)
 
 
-def _split_like(joined: Any, z: Any) -> Any:
-  """``joined`` cut back into ``z``'s micro-batches, placed as ``z`` is."""
-  out = joined.reshape(z.shape)
-  return jax.sharding.reshard(out, jax.typeof(z).sharding) if _on_a_mesh(z) else out
-
-
 def cotangents(
   coupled: CoupledLoss, params: Any, window: Any, keys: Any = None
 ) -> dict[str, Any]:
@@ -113,10 +92,14 @@ def cotangents(
   def window_loss(z_joined: Any) -> tuple[jax.Array, jax.Array]:
     return coupled.window_loss(z_joined, _joined(window))
 
+  def split_like(c: Any, x: Any) -> Any:  # Cut back into ``x``'s micro-batches.
+    out = c.reshape(x.shape)
+    return jax.sharding.reshard(out, jax.typeof(x).sharding) if _on_a_mesh(x) else out
+
   (loss, weight), joined = jax.value_and_grad(window_loss, has_aux=True)(_joined(z))
   k = jax.tree.leaves(window)[0].shape[0]
   return {
-    "cotangent": jax.tree.map(_split_like, joined, z),
+    "cotangent": jax.tree.map(split_like, joined, z),
     "loss": jnp.broadcast_to(loss, (k,)),
     "weight": jnp.broadcast_to(jnp.asarray(weight, jnp.result_type(loss)), (k,)),
   }
@@ -172,16 +155,6 @@ def coupled_optimizer(coupled: CoupledLoss, optimizer: MultiSteps) -> MultiSteps
   return optimizer.replace(terms=coupled.terms)
 
 
-def _holding_metrics(opt_state: Any, held: int) -> dict[str, Any]:
-  """A streamed call's metrics while the step holds the window's micro-batches:
-  nothing is computed before the window's last (its loss comes with it)."""
-  return {
-    "micro_steps": jnp.int32(held),
-    "updated": jnp.bool_(False),
-    "update_count": getattr(opt_state, "gradient_step", jnp.int32(0)),
-  }
-
-
 def check_coupled(has_aux: bool, axis_name: Any) -> None:
   """``ValueError`` for a train step's settings a :class:`CoupledLoss` cannot take."""
   if has_aux or axis_name is not None:
@@ -194,17 +167,9 @@ def check_coupled(has_aux: bool, axis_name: Any) -> None:
 
 class CoupledStep:
   """A train step on a :class:`CoupledLoss`: pass 1, then the window of a
-  scan-mode train step ``build(loss_fn, optimizer)`` on the surrogate loss (the
-  window's micro-batches as dicts: see :func:`surrogate`).
-
-  In scan mode a call takes a window and runs one program: both passes,
-  ``params`` and ``opt_state`` donated with ``donate``. Streaming, a call
-  takes a micro-batch:
-  the step holds the window's micro-batches (device arrays, on the host's
-  list) until the last, where the optimizer's ``k`` or ``end_window=True``
-  ends the window, and runs the window then; the calls before return the
-  state as given. A checkpoint is taken between windows.
-  """
+  scan-mode train step ``build(loss_fn, optimizer)`` on the surrogate loss, in
+  one program. Streaming, the step holds the window's micro-batches until its
+  last, and the calls before return the state as given."""
 
   def __init__(
     self,
@@ -288,7 +253,13 @@ class CoupledStep:
       )
     self._held.append(micro_batch)
     if len(self._held) < self._window_size(opt_state) and not bool(end_window):
-      return params, opt_state, _holding_metrics(opt_state, len(self._held))
+      # Nothing is computed before the window's last (its loss comes with it).
+      held = {
+        "micro_steps": jnp.int32(len(self._held)),
+        "updated": jnp.bool_(False),
+        "update_count": getattr(opt_state, "gradient_step", jnp.int32(0)),
+      }
+      return params, opt_state, held
     window = jax.tree.map(lambda *x: jnp.stack(x), *self._held)
     self._held = []
     return self._window(params, opt_state, window, rng)

@@ -34,17 +34,15 @@ from optax_accum._core._reduction import Deferred
 from optax_accum._core._state import MultiStepsConfig
 from optax_accum._step._layout import Mapped
 from optax_accum._step._programs import Bodies
-from optax_accum._step._replicas import PerReplicaLayout
+from optax_accum._step._replicas import PerReplicaLayout, split_over
 from optax_accum._step._signature import Body, Inputs, Outputs, renamed
 
 
 @dataclasses.dataclass(frozen=True)
 class DeferredLayout(PerReplicaLayout):
-  """Per-replica partial sums over the ``Explicit`` mesh axes ``axes``, added
-  in the global view: ``leaves`` says, one bool per params leaf, whether its
-  gradient stays partial until the window ends (the others XLA reduces per
-  micro-batch; they join the first replica's partial sum). Stored as
-  :class:`~optax_accum._step._replicas.PerReplicaLayout` stores its sums."""
+  """Per-replica partial sums over the ``Explicit`` mesh axes ``axes``, added in
+  the global view; ``leaves``: per params leaf, whether its gradient stays
+  partial until the window ends."""
 
   leaves: tuple[bool, ...] = ()
 
@@ -56,8 +54,8 @@ class DeferredLayout(PerReplicaLayout):
     device's partial sum."""
 
     def run(inputs: Inputs) -> Outputs:
-      out = body(inputs._replace(acc=_view(self, inputs.acc)))
-      return out._replace(acc=_stacked(self, out.acc))
+      out = body(inputs._replace(acc=_relaid(self, inputs.acc, inside=True)))
+      return out._replace(acc=_relaid(self, out.acc, inside=False))
 
     return renamed(run, body)
 
@@ -77,13 +75,9 @@ def candidate(
   params: Any, batch: Any, config: MultiStepsConfig, *, scan: bool
 ) -> DeferredLayout | None:
   """The mesh and data axes of a call that can defer its gradient reduction
-  (before choosing the leaves), or ``None``.
-
-  Needs every batch leaf split along its rows (the second axis in scan mode)
-  over the same ``Explicit`` mesh axes, and params on that mesh not split
-  over them (FSDP's gradients are reduce-scattered per micro-batch by XLA),
-  and a ``config`` that :func:`defers`.
-  """
+  (before choosing the leaves): the batch's rows split over ``Explicit`` axes
+  that no param is split over (XLA reduce-scatters FSDP's gradients per
+  micro-batch), or ``None``."""
   if not defers(config):
     return None
   dim = 1 if scan else 0
@@ -107,27 +101,25 @@ def candidate(
     sharding = getattr(leaf, "sharding", None)
     if not isinstance(sharding, NamedSharding) or sharding.mesh != mesh:
       return None
-    if {a for entry in sharding.spec for a in _axes(entry)} & set(axes):
+    if set(split_over(leaf)) & set(axes):
       return None
   return DeferredLayout(mesh, axes)
 
 
 def choose_leaves(
   layout: DeferredLayout, fits: Callable[[DeferredLayout], bool], params: Any
-) -> DeferredLayout | None:
-  """``layout`` with the largest set of leaves ``fits`` accepts (tried among
-  leaves of two or more dimensions), or ``None`` if none is."""
+) -> DeferredLayout:
+  """``layout`` with the largest set of leaves ``fits`` accepts, tried among
+  leaves of two or more dimensions (with none: every gradient XLA reduces
+  joins the first replica's partial sum)."""
   flat = jax.tree.leaves(params)
   wanted = [i for i, p in enumerate(flat) if jnp.ndim(p) >= 2]
 
-  def flags(chosen: Sequence[int]) -> tuple[bool, ...]:
-    return tuple(i in chosen for i in range(len(flat)))
-
   def with_leaves(chosen: Sequence[int]) -> DeferredLayout:
-    return dataclasses.replace(layout, leaves=flags(chosen))
+    flags = tuple(i in chosen for i in range(len(flat)))
+    return dataclasses.replace(layout, leaves=flags)
 
-  chosen = _fitting(wanted, lambda c: fits(with_leaves(c)))
-  return with_leaves(chosen) if chosen else None
+  return with_leaves(_fitting(wanted, lambda c: fits(with_leaves(c))))
 
 
 def _fitting(indices: list[int], fits: Callable[[list[int]], bool]) -> list[int]:
@@ -144,38 +136,25 @@ def _fitting(indices: list[int], fits: Callable[[list[int]], bool]) -> list[int]
   return left + right
 
 
-def _view(layout: PerReplicaLayout, stacked: Any) -> Any:
-  """The accumulator as the programs add to it: each device's partial sum,
-  typed ``unreduced`` over the data axes (no data moves)."""
+def _relaid(layout: PerReplicaLayout, acc: Any, inside: bool) -> Any:
+  """The accumulator as the programs add to it (``inside``: each device's
+  partial sum, typed ``unreduced`` over the data axes), or as stored between
+  calls (the partial sums along a leading axis of replicas). No data moves: a
+  ``shard_map`` on each device's own block, unchecked (``unreduced`` to
+  per-device values has no typed cast)."""
 
-  def view(stack: jax.Array) -> jax.Array:
-    rest = jax.typeof(stack).sharding.spec.partitions[1:]
+  def relaid(x: jax.Array) -> jax.Array:
+    rest = jax.typeof(x).sharding.spec.partitions[1 if inside else 0 :]
     unreduced = P(*rest, unreduced=set(layout.axes))
-    return _local(layout, lambda s: s[0], layout.spec(*rest), unreduced)(stack)
+    if inside:
+      fn, in_spec, out_spec = (lambda s: s[0]), layout.spec(*rest), unreduced
+    else:
+      fn, in_spec, out_spec = (lambda v: v[None]), unreduced, layout.spec(*rest)
+    return jax.shard_map(
+      fn, mesh=layout.mesh, in_specs=in_spec, out_specs=out_spec, check_vma=False
+    )(x)
 
-  return jax.tree.map(view, stacked)
-
-
-def _stacked(layout: PerReplicaLayout, partial_sums: Any) -> Any:
-  """The accumulator in its layout between calls: the partial sums along a
-  leading axis of replicas (no data moves)."""
-
-  def stack(x: jax.Array) -> jax.Array:
-    rest = jax.typeof(x).sharding.spec.partitions
-    unreduced = P(*rest, unreduced=set(layout.axes))
-    return _local(layout, lambda v: v[None], unreduced, layout.spec(*rest))(x)
-
-  return jax.tree.map(stack, partial_sums)
-
-
-def _local(
-  layout: PerReplicaLayout, fn: Callable[..., Any], in_spec: P, out_spec: P
-) -> Any:
-  """``fn`` on each device's own block: a ``shard_map`` that moves no data
-  (unchecked: ``unreduced`` to per-device values has no typed cast)."""
-  return jax.shard_map(
-    fn, mesh=layout.mesh, in_specs=in_spec, out_specs=out_spec, check_vma=False
-  )
+  return jax.tree.map(relaid, acc)
 
 
 def micro_batch_like(batch: Any) -> Any:

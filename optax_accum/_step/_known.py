@@ -1,8 +1,5 @@
-"""What the host knows about the optimizer state a train step returned last.
-
-The streaming step decides on the host which program a call runs (a
-micro-step that cannot end the window, or one that can) without waiting for
-the device: for the state it returned last it knows the counters. Any other
+"""What the host knows about the state a train step returned last, so that a
+streaming call chooses its program without waiting for the device; any other
 state (the first, a restored one, one ``relayout`` or ``_replace`` gave) is
 read from the device and laid out again.
 """
@@ -29,11 +26,7 @@ UNKNOWN: Any = object()  # A learning rate not looked up yet.
 
 
 class Known(NamedTuple):
-  """What the host knows about the optimizer state a step returned last.
-
-  Valid only for a state whose counters are those very array objects: a state
-  the user built, restored or kept from earlier is read from the device.
-  """
+  """What the host knows about the optimizer state a step returned last."""
 
   mini_step: jax.Array  # The returned state's counters, compared by identity.
   gradient_step: jax.Array

@@ -1,28 +1,7 @@
-"""The Layout protocol: one object per accumulator layout, and the one place
-a layout's programs are built.
-
-A layout says where a train step's window sums live between calls and how a
-program works on them. The state's structure names it (:mod:`optax_accum.
-_core._layout`: one sum, ``Packed``, ``PerReplica``); each layout is one
-object in one file:
-
-- :class:`OneSum` (here): the sums laid out as the params;
-- :class:`~optax_accum._step._packed.PackedLayout`: small leaves' sums in
-  shared buffers, on one device;
-- :class:`~optax_accum._step._replicas.PerReplicaLayout`: per-replica
-  partial sums, added in a ``shard_map`` over ``axis_name``;
-- :class:`~optax_accum._step._deferred.DeferredLayout`: per-replica partial
-  sums in the global view, gradients left ``unreduced``.
-
-Each answers the same questions: how a state is laid out for it
-(:meth:`Layout.stored`, from any layout: ``step.init`` and the host's
-conversions), the bodies' reduction and gradient layout
-(:meth:`Layout.bodies`), how a body sees the accumulator inside the program
-(:meth:`Layout.body`), the ``shard_map`` around it (:meth:`Layout.mapped`),
-what crosses the program's boundary (:meth:`Layout.inside`,
-:meth:`Layout.outside`) and whether a streamed window ends in two programs.
-:func:`programs` builds any layout's programs from those answers. A new layout
-is a new file with a new subclass.
+"""The Layout protocol: one object per accumulator layout, each in its own file
+(:class:`OneSum` here; ``_packed``, ``_replicas``, ``_deferred``), and
+:func:`programs`, the one builder of a layout's programs from the answers of
+:class:`Layout`'s methods (docs/development.md lists the layouts).
 """
 
 from __future__ import annotations
@@ -99,12 +78,8 @@ class Layout:
 
 
 class OneSum(Layout):
-  """The window's sums laid out as the params (one tree per loss term).
-
-  A streamed window ends in two programs where the default backend says so
-  and every micro-batch counts (``ending`` does not ask
-  ``should_skip_update_fn``).
-  """
+  """The window's sums laid out as the params (one tree per loss term); a
+  streamed window ends in two programs where the default backend says so."""
 
   def two_programs(self, bodies: Bodies) -> bool:
     if bodies.config.should_skip_update_fn is not None:
@@ -143,7 +118,7 @@ def programs(layout: Layout, bodies: Bodies, *, scan: bool, donate: bool) -> Pai
     return Bound(layout, built) if layout.converts else built
 
   accumulate = program(bodies.accumulate, ACCUMULATE_DONATES)
-  update = program(bodies.updating(scan), UPDATE_DONATES, window=scan)
+  update = program(bodies.scan if scan else bodies.update, UPDATE_DONATES, window=scan)
   if not scan and layout.two_programs(bodies):
     update = Split(accumulate, program(bodies.ending, UPDATE_DONATES), update)
   return Pair(accumulate, update)

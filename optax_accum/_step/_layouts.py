@@ -1,15 +1,5 @@
-"""Which accumulator layout a train step's call runs in, and its programs.
-
-The state's structure says the layout (:mod:`optax_accum._core._layout`); each
-layout is an object of :mod:`optax_accum._step._layout`'s protocol. The init
-chooses it and the step keeps it: one sum (``opt.init``), packed
-(``step.init(params)`` on one device, many small leaves), or per-replica
-partial sums under plain ``jit`` (``step.init(params)`` on a mesh): added in a
-``shard_map`` with ``axis_name``, or in the global view on an ``Explicit``
-mesh. Only on a mesh, called from Python, the host converts a state the step
-did not return last to the layout of the call (traced, the step returns the
-layout it was given). The programs for each layout are built once.
-"""
+"""Which accumulator layout a train step's call runs in (the init chooses it,
+the step keeps it), and each layout's programs, built once."""
 
 from __future__ import annotations
 
@@ -22,7 +12,7 @@ from jax.sharding import AxisType, NamedSharding
 
 from optax_accum._core import _backend, _checks, _layout
 from optax_accum._core._layout import Packed, PerReplica
-from optax_accum._core._multi_steps import MultiSteps, MultiStepsState
+from optax_accum._core._multi_steps import MultiStepsState
 from optax_accum._step import _deferred
 from optax_accum._step._deferred import DeferredLayout
 from optax_accum._step._layout import ONE_SUM, Layout, programs
@@ -33,6 +23,7 @@ from optax_accum._step._replicas import (
   as_returned,
   data_layout,
   mesh_of,
+  split_over,
 )
 from optax_accum._step._signature import Inputs, Pair
 
@@ -46,7 +37,7 @@ class Layouts:
 
   def __init__(self, bodies: Bodies, mode: str, donate: bool):
     self.bodies = bodies
-    self.mode = mode
+    self.scan = mode == "scan"
     self.donate = donate
     self._built: dict[Layout, Pair] = {}
     self._chosen: dict[Any, DeferredLayout] = {}
@@ -55,19 +46,11 @@ class Layouts:
   def arranged(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any = None
   ) -> tuple[Any, MultiStepsState, Layout]:
-    """Params and ``opt_state`` as this call runs with them: placed as the
-    programs return them (see :func:`as_returned`), the accumulator in this
-    call's layout.
-
-    Traced (inside the user's ``jit`` or ``scan``), the state's own layout:
-    a packed state runs the packed programs, per-replica partial sums are
-    added up here and restacked by :meth:`restacked`. From Python: on no mesh
-    the state's own layout too (packed from ``step.init(params)``, one sum
-    from ``opt.init(params)``: the init chooses, every path keeps it); under
-    plain ``jit`` with ``axis_name``, or with a batch split over ``Explicit``
-    data axes, per-replica partial sums. Called for a state the step did not
-    return last (and in scan mode on every call).
-    """
+    """Params and ``opt_state`` as this call runs with them (placed as the
+    programs return them), the accumulator in this call's layout, and that
+    layout: traced or on no mesh, the state's own (traced per-replica partial
+    sums are added up here, then :meth:`restacked`); on a mesh, per-replica
+    partial sums where ``axis_name`` or ``Explicit`` data axes allow."""
     acc = opt_state.acc_grads
     traced = is_traced(params, opt_state, batch)
     mesh = None if traced else mesh_of(params, batch)
@@ -92,9 +75,8 @@ class Layouts:
   ) -> PerReplicaLayout | None:
     """The per-replica layout of a call on a mesh, if it has one."""
     if self._replica_axes:
-      scan = self.mode == "scan"
       named = self.bodies.config.axis_name or ()  # As the user wrote it.
-      return data_layout(named, params, batch, scan=scan)
+      return data_layout(named, params, batch, scan=self.scan)
     return self._deferred_layout(params, opt_state, batch, rng)
 
   def init_layout(self, params: Any) -> Layout:
@@ -109,7 +91,7 @@ class Layouts:
 
   def _init_per_replica(self, params: Any, mesh: Any) -> PerReplicaLayout | None:
     config = self.bodies.config
-    split = {a for p in jax.tree.leaves(params) for a in _split_over(p)}
+    split = {a for p in jax.tree.leaves(params) for a in split_over(p)}
     if self._replica_axes:
       axes = self._replica_axes
       return None if split & set(axes) else PerReplicaLayout(mesh, axes)
@@ -179,14 +161,15 @@ class Layouts:
     """The layout that reduces gradients once per window without
     ``axis_name`` (:mod:`optax_accum._step._deferred`), if this call allows one;
     chosen once per shapes and shardings of the arguments."""
-    scan = self.mode == "scan"
-    layout = _deferred.candidate(params, batch, self.bodies.config, scan=scan)
+    config = self.bodies.config
+    layout = _deferred.candidate(params, batch, config, scan=self.scan)
     if layout is None:
       return None
     key = (layout, *map(avals, (params, batch)), rng is None)
     if key not in self._chosen:
-      acc = _stacked_like(self.bodies.optimizer, params, layout)
-      micro_batch = _deferred.micro_batch_like(batch) if scan else batch
+      sums = jax.eval_shape(self.bodies.optimizer.init, params).acc_grads
+      acc = layout.like(sums, params, config.terms).sums
+      micro_batch = _deferred.micro_batch_like(batch) if self.scan else batch
       inputs = Inputs(params, None, acc, counters(opt_state), micro_batch, rng)
 
       def fits(chosen: DeferredLayout) -> bool:
@@ -197,28 +180,15 @@ class Layouts:
           return False  # anyway: with nothing cast, the call raises it).
         return True
 
-      chosen = _deferred.choose_leaves(layout, fits, params)
-      # Nothing castable: every gradient XLA reduces goes to the first
-      # replica's partial sum; the stored layout is the same.
-      flags = (False,) * len(jax.tree.leaves(params))
-      self._chosen[key] = chosen or DeferredLayout(layout.mesh, layout.axes, flags)
+      self._chosen[key] = _deferred.choose_leaves(layout, fits, params)
     return self._chosen[key]
 
   def programs(self, layout: Layout) -> Pair:
     """The accumulate and update programs for one accumulator layout."""
     if layout not in self._built:
-      scan = self.mode == "scan"
-      built = programs(layout, self.bodies, scan=scan, donate=self.donate)
+      built = programs(layout, self.bodies, scan=self.scan, donate=self.donate)
       self._built[layout] = built
     return self._built[layout]
-
-
-def _split_over(param: Any) -> tuple[str, ...]:
-  """The mesh axes ``param`` is split over."""
-  sharding = getattr(param, "sharding", None)
-  if not isinstance(sharding, NamedSharding):
-    return ()
-  return tuple(a for entry in sharding.spec for a in _checks.axes(entry))
 
 
 def avals(tree: Any) -> tuple[Any, ...]:
@@ -227,9 +197,3 @@ def avals(tree: Any) -> tuple[Any, ...]:
   return treedef, tuple(
     (jnp.shape(x), jnp.result_type(x), getattr(x, "sharding", None)) for x in leaves
   )
-
-
-def _stacked_like(optimizer: MultiSteps, params: Any, layout: PerReplicaLayout) -> Any:
-  """Shapes of the accumulator in ``layout`` (per-replica partial sums)."""
-  sums = jax.eval_shape(optimizer.init, params).acc_grads
-  return layout.like(sums, params, optimizer.config.terms).sums

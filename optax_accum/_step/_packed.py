@@ -58,13 +58,8 @@ class PackedLayout(Layout):
 
 
 class PackedBodies(Bodies):
-  """The train step's bodies with the accumulator packed inside the program.
-
-  Each micro-batch's gradient is packed as the sums are (one concatenation
-  per group) and added to them in one pass over each buffer, as to a
-  contiguous accumulator; the optimizer gets the sums cut back into leaves.
-  The arithmetic is the same, element by element.
-  """
+  """The train step's bodies with the accumulator packed inside the program
+  (one concatenation per group for each micro-batch's gradient)."""
 
   def __init__(self, bodies: Bodies, packing: Packing):
     super().__init__(bodies.loss_fn, bodies.optimizer, bodies.has_aux, bodies.reduction)

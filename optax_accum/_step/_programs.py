@@ -1,12 +1,5 @@
-"""The bodies of the train step's programs: accumulate, update (in place),
-scan, and ending (update's end of the window alone).
-
-Built from the window arithmetic, a reduction policy and the state
-transitions of :mod:`optax_accum._core._transitions`. Each body maps
-:class:`~optax_accum._step._signature.Inputs` to ``Outputs``: the
-params-sized parts of the optimizer state (inner state, accumulator) apart
-from its counters, so the caller can donate the former and keep the latter.
-"""
+"""The bodies of the train step's programs (accumulate, update, scan, ending),
+each from :class:`~optax_accum._step._signature.Inputs` to ``Outputs``."""
 
 from __future__ import annotations
 
@@ -22,18 +15,14 @@ from optax_accum._core import _transitions as ms
 from optax_accum._core._hyperparams import get_hyperparams
 from optax_accum._core._multi_steps import MultiSteps
 from optax_accum._core._state import MultiStepsConfig, MultiStepsState
-from optax_accum._step._signature import Body, Inputs, Outputs
+from optax_accum._step._signature import Inputs, Outputs
 
 Metrics = dict[str, Any]
 
 
 def counters(state: MultiStepsState) -> MultiStepsState:
-  """``state`` without its params-sized parts: the counters and window totals.
-
-  The programs take the params-sized parts (params, inner optimizer state,
-  accumulator) as separate, donated arguments and these as plain ones: never
-  donated, so the metrics a step returns can share them.
-  """
+  """``state`` without its params-sized parts: the counters and window totals,
+  never donated (the metrics a step returns can share them)."""
   return state._replace(inner_opt_state=None, acc_grads=None)
 
 
@@ -236,10 +225,6 @@ class Bodies:
 
   # -- the programs (see _signature) ---------------------------------------
 
-  def updating(self, scan: bool) -> Body:
-    """The program that can end a window: :meth:`scan` or :meth:`update`."""
-    return self.scan if scan else self.update
-
   def accumulate(self, inputs: Inputs) -> Outputs:
     """Adds a micro-batch that cannot end the window."""
     state = joined(inputs.counters, None, inputs.acc)
@@ -259,9 +244,8 @@ class Bodies:
 
   def ending(self, inputs: Inputs) -> Outputs:
     """:meth:`update`'s second half, after :meth:`accumulate` added the
-    micro-batch (the batch is not read): the window ends if it is full or
-    ``end_window``. Where every micro-batch counts (no
-    ``should_skip_update_fn``)."""
+    micro-batch (the batch is not read). Only where every micro-batch counts:
+    it does not ask ``should_skip_update_fn``."""
     added = joined(inputs.counters, inputs.inner, inputs.acc)
     return self._ended(added, jnp.array(True), inputs.end_window, inputs.params)
 
@@ -298,7 +282,7 @@ class Bodies:
       window = _terms.empty(params, self.config.accumulator_dtype, self.config.terms)
       acc = _terms.joined(window, self.config.terms).acc_grads
     own = axes and (empty or not partial)
-    start = jax.tree.map(_own_zeros(loop), acc) if own else acc
+    start = jax.tree.map(lambda x: loop.own(jnp.zeros_like(x)), acc) if own else acc
 
     def body(state: MultiStepsState, micro_batch: Any) -> Any:
       added, _, aux = self._add(params, state, micro_batch, inputs.rng, loop)
@@ -342,15 +326,6 @@ class Bodies:
     new = done.state
     out = metrics(self.config, added, new, loss, done.norm, learning_rate(new))
     return done.target, new.inner_opt_state, counters(new), out
-
-
-def zeros(shapes: Any) -> Any:
-  """Zeros shaped and typed as ``shapes`` (``jax.eval_shape``'s output)."""
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-
-def _own_zeros(reduction: Any) -> Callable[[jax.Array], jax.Array]:
-  return lambda x: reduction.own(jnp.zeros_like(x))
 
 
 def _check_leading_axis(batch: Any, config: MultiStepsConfig) -> None:

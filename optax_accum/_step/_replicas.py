@@ -34,11 +34,8 @@ from optax_accum._step._signature import Body, Inputs, Outputs, renamed
 
 @dataclasses.dataclass(frozen=True)
 class PerReplicaLayout(Layout):
-  """Per-replica partial sums over the mesh axes ``axes`` (``axis_name``'s):
-  the programs run in a ``shard_map`` over them, each replica adding its own
-  rows' gradient to its own partial sum; the sums are added up once, when
-  the window ends. Stored as a :class:`PerReplica`, a leading axis of
-  replicas split over ``axes``."""
+  """Per-replica partial sums over the mesh axes ``axes`` (``axis_name``'s),
+  added in a ``shard_map`` over them; stored as a :class:`PerReplica`."""
 
   mesh: jax.sharding.Mesh
   axes: tuple[str, ...]
@@ -119,9 +116,8 @@ def data_layout(
   """Where ``batch`` is split over ``axis_name``; checks params are not.
 
   Raises:
-    ValueError: if a batch leaf is not a ``NamedSharding`` array split over
-      exactly ``axis_name`` along its rows (the second axis in scan mode), or
-      a params leaf is split over ``axis_name``.
+    ValueError: if a batch leaf is not split over exactly ``axis_name`` along
+      its rows, or a params leaf is split over it.
   """
   axes = _axes(axis_name)
   dim = 1 if scan else 0
@@ -145,17 +141,23 @@ def data_layout(
     raise ValueError(f"The batch's leaves lie on {len(meshes)} different meshes.")
   mesh = meshes.pop()
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    sharding = getattr(leaf, "sharding", None)
-    if isinstance(sharding, NamedSharding):
-      split = {a for entry in sharding.spec for a in _axes(entry)} & set(axes)
-      if split:
-        raise ValueError(
-          f"params{jax.tree_util.keystr(path)} is split over the data axis "
-          f"{sorted(split)[0]!r} (FSDP, ZeRO): a per-replica partial sum would "
-          "need a whole copy of it on every device. Drop axis_name: under "
-          "plain jit XLA then reduce-scatters each micro-batch's gradient."
-        )
+    split = set(split_over(leaf)) & set(axes)
+    if split:
+      raise ValueError(
+        f"params{jax.tree_util.keystr(path)} is split over the data axis "
+        f"{sorted(split)[0]!r} (FSDP, ZeRO): a per-replica partial sum would "
+        "need a whole copy of it on every device. Drop axis_name: under "
+        "plain jit XLA then reduce-scatters each micro-batch's gradient."
+      )
   return PerReplicaLayout(mesh, axes)
+
+
+def split_over(param: Any) -> tuple[str, ...]:
+  """The mesh axes ``param`` is split over."""
+  sharding = getattr(param, "sharding", None)
+  if not isinstance(sharding, NamedSharding):
+    return ()
+  return tuple(a for entry in sharding.spec for a in _axes(entry))
 
 
 def _spec_on(mesh: jax.sharding.Mesh, x: Any) -> tuple[Any, ...]:

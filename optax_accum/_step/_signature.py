@@ -77,7 +77,7 @@ class Program:
     def flat(*fields: Any) -> Outputs:
       return body(Inputs(*fields))
 
-    flat.__name__ = flat.__qualname__ = named(body)  # What jit logs and profiles.
+    renamed(flat, body)  # What jit logs and profiles.
 
     argnums = tuple(Inputs._fields.index(name) for name in donates) if donate else ()
     fn = flat if mapped is None else mapped(flat)
@@ -106,14 +106,10 @@ def _traced(inputs: Inputs) -> bool:
   return any(isinstance(x, jax.core.Tracer) for x in probe)
 
 
-def named(body: Body) -> str:
-  """A body's name, through the layouts' wrappers (see :func:`renamed`)."""
-  return getattr(body, "__name__", "program")
-
-
 def renamed(wrapper: Body, body: Body) -> Body:
-  """``wrapper`` named as ``body``, whose program it builds."""
-  wrapper.__name__ = wrapper.__qualname__ = named(body)
+  """``wrapper`` named as ``body`` (through the layouts' wrappers), whose
+  program it builds."""
+  wrapper.__name__ = wrapper.__qualname__ = getattr(body, "__name__", "program")
   return wrapper
 
 
@@ -132,8 +128,7 @@ class Split:
   the micro-batch's gradient is compiled once, in ``accumulate``, where one
   program would compile it again). ``merged`` (the update body as one
   program) is what :meth:`lower` gives for XLA's analyses: its peak memory
-  bounds each of the two's. Only where every micro-batch counts (no
-  ``should_skip_update_fn``): ``ending`` does not ask.
+  bounds each of the two's.
   """
 
   def __init__(self, accumulate: Any, ending: Any, merged: Any):

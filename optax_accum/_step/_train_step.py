@@ -1,11 +1,5 @@
-"""``make_train_step``: a jitted accumulation step that always applies its update.
-
-The host side: which compiled program runs for a call
-(:mod:`optax_accum._step._programs` holds their bodies), what the host knows
-about the state it returned last, and which accumulator layout a call runs
-in (:mod:`optax_accum._step._layouts`; the layouts:
-:mod:`optax_accum._step._layout`).
-"""
+"""``make_train_step``: a jitted accumulation step that always applies its update,
+and its host side: which compiled program runs for a call."""
 
 from __future__ import annotations
 
@@ -34,7 +28,6 @@ from optax_accum._step._programs import (
   joined,
   learning_rate,
   metrics,
-  zeros,
 )
 from optax_accum._step._replicas import PerReplicaLayout, as_returned
 from optax_accum._step._signature import Inputs, Outputs, Split
@@ -61,14 +54,6 @@ def _unaliased(donated: Any, kept: Any) -> Any:
     return x
 
   return jax.tree.map(fresh, donated)
-
-
-def _check_scan_end_window(end_window: Any) -> None:
-  _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
-  if is_traced(end_window) or bool(end_window):
-    raise ValueError(
-      "`end_window` is for streaming: in scan mode every call ends a window."
-    )
 
 
 class TrainStep:
@@ -167,7 +152,11 @@ class TrainStep:
     self, params: Any, opt_state: Any, batch: Any, rng: Any, end_window: Any
   ) -> tuple[Any, Any, Metrics]:
     """Scan mode: a whole window; the optimizer's own state comes back as such."""
-    _check_scan_end_window(end_window)
+    _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
+    if is_traced(end_window) or bool(end_window):
+      raise ValueError(
+        "`end_window` is for streaming: in scan mode every call ends a window."
+      )
     check_restored(opt_state)
     if isinstance(opt_state, MultiStepsState):
       return self._scanned(params, opt_state, batch, rng)
@@ -214,7 +203,7 @@ class TrainStep:
       inner_shapes = jax.eval_shape(self.optimizer.inner_opt.init, params)
       shapes = counters(jax.eval_shape(self.optimizer.init, params))
       with jax.ensure_compile_time_eval():  # Arrays, even in the user's jit.
-        empty = zeros(shapes)
+        empty = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
       self._empty[key] = jax.tree.structure(inner_shapes), empty
     expected, empty = self._empty[key]  # Counters: read, never donated.
     if jax.tree.structure(inner) != expected:
