@@ -32,8 +32,8 @@ class Backend(NamedTuple):
     max_leaf_size: Leaves of at most this many elements are packed.
     min_leaves: A dtype with fewer small leaves is left as it is.
     max_group_size: A group holds at most this many elements (its leaves'
-      gradients stay live until they are concatenated, and XLA:CPU's compile
-      time of each leaf's slice grows with its group's size).
+      gradients stay live until they are concatenated, and XLA:CPU compiles a
+      slice kernel for each distinct offset in a group).
     two_programs: Whether the call that ends a window runs the accumulate
       program and then the window's end, rather than one program.
     quick_compile: XLA options for programs whose compile time matters more
