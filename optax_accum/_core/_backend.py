@@ -1,9 +1,8 @@
 """The backend seam: every mechanism whose best form depends on the platform.
 
-Programs are the same maths on every backend; what differs is how XLA runs
-their control flow (:func:`once_if`) and what a buffer or a dispatch costs the
-host (:class:`Backend`). The host side asks :func:`of` with :func:`platform_of`
-the params; the programs call :func:`once_if`.
+The maths is the same on every backend; what differs is how XLA runs control
+flow (:func:`once_if`, called by the programs) and what a buffer or a dispatch
+costs the host (:class:`Backend`, from :func:`of` and :func:`platform_of`).
 
 Examples:
   >>> of("cpu").packs, of("cuda").packs, of("cpu").two_programs, of("tpu").two_programs
@@ -25,33 +24,23 @@ import jax.numpy as jnp
 
 
 class Backend(NamedTuple):
-  """The platform-dependent choices the host makes for a train step.
+  """The platform-dependent choices the host makes for a train step."""
 
-  Attributes:
-    packs: Whether small leaves' sums share buffers.
-    max_leaf_size: Leaves of at most this many elements are packed.
-    min_leaves: A dtype with fewer small leaves is left as it is.
-    max_group_size: A group holds at most this many elements (its leaves'
-      gradients stay live until they are concatenated, and XLA:CPU compiles a
-      slice kernel for each distinct offset in a group).
-    two_programs: Whether the call that ends a window runs the accumulate
-      program and then the window's end, rather than one program.
-    quick_compile: XLA options for programs whose compile time matters more
-      than their run time (the audit's), or ``None``.
-  """
-
-  packs: bool = False
-  max_leaf_size: int = 4096
-  min_leaves: int = 16
+  packs: bool = False  # Whether small leaves' sums share buffers.
+  max_leaf_size: int = 4096  # Leaves of at most this many elements are packed.
+  min_leaves: int = 16  # A dtype with fewer small leaves is left as it is.
+  # Elements per group at most: its gradients stay live until concatenated, and
+  # XLA:CPU compiles a slice kernel for each distinct offset in a group.
   max_group_size: int = 8192
-  two_programs: bool = False
+  two_programs: bool = False  # A window ends in two programs: accumulate, then end.
+  # XLA options for programs whose compile time matters more than their run
+  # time (the audit's), or None.
   quick_compile: dict[str, Any] | None = None
 
 
-#: What ``jax_disable_most_optimizations`` sets, for one program: XLA:CPU
-#: compiles without LLVM's optimisation passes, the same HLO in about half the
-#: time and slower machine code (a 12-block LM's gradient: 9.6 against 17.6
-#: CPU-s to compile, 130 against 37 ms a call).
+#: ``jax_disable_most_optimizations`` for one program: XLA:CPU skips LLVM's
+#: passes, compiling the same HLO in about half the time into slower code (a
+#: 12-block LM's gradient: 9.6 against 17.6 CPU-s, 130 against 37 ms a call).
 _WITHOUT_LLVM_PASSES = {
   "xla_backend_optimization_level": 0,
   "xla_llvm_disable_expensive_passes": True,
@@ -72,9 +61,9 @@ def of(platform: str) -> Backend:
 
 @contextlib.contextmanager
 def overridden(platform: str, **choices: Any) -> Iterator[None]:
-  """Within the block, ``platform``'s :class:`Backend` with ``choices``
-  changed (for tests and measurements: packing thresholds, say). Programs
-  already built keep the choices they were built with.
+  """Within the block, ``platform``'s :class:`Backend` with ``choices`` changed.
+
+  Programs already built keep the choices they were built with.
 
   Examples:
     >>> with overridden("cpu", min_leaves=2):
@@ -93,9 +82,7 @@ def overridden(platform: str, **choices: Any) -> Iterator[None]:
 
 
 def platform_of(tree: Any) -> str:
-  """The platform ``tree``'s arrays live on: the first committed
-  ``jax.Array``'s, else JAX's default backend (abstract shapes, NumPy
-  arrays, tracers)."""
+  """The platform of ``tree``'s first committed array, else JAX's default."""
   for x in jax.tree.leaves(tree):
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
       return next(iter(x.devices())).platform
@@ -103,16 +90,13 @@ def platform_of(tree: Any) -> str:
 
 
 def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
-  """``fn(init)`` if ``pred`` else ``init``; ``init`` typed like ``fn``'s
-  outputs, in the form for the platform the program is lowered for
-  (``lax.platform_dependent``).
+  """``fn(init)`` if ``pred`` else ``init`` (typed like ``fn``'s outputs).
 
-  On CPU and TPU a loop that runs once or never: XLA updates its carry
-  (params, optimizer state) in place, where a ``cond`` or a select keeps both
-  old and new values alive. XLA:GPU copies a data-dependent predicate to the
-  host and waits for the device on every execution, so there ``fn`` always
-  runs and a select (fused into its elementwise kernels) keeps ``init`` where
-  ``pred`` is false.
+  On CPU and TPU a loop run once or never, whose carry XLA updates in place (a
+  ``cond`` or a select keeps old and new alive). XLA:GPU would copy a
+  data-dependent predicate to the host and wait on every execution, so there
+  ``fn`` always runs and a select, fused into its kernels, keeps ``init``
+  where ``pred`` is false.
 
   Examples:
     >>> float(once_if(jnp.array(True), lambda x: x + 1, jnp.array(1.0)))
@@ -136,12 +120,11 @@ def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
 
 
 def nan_marker(g: jax.Array) -> jax.Array:
-  """Zeros where ``g`` is finite, NaN where it is not (``g - g``).
+  """Zeros where ``g`` is finite, NaN where it is not.
 
   Added to a sum of squares, one pass serves the finite check and the norm.
-  XLA does not simplify ``x - x`` to 0; ``x * 0`` would do the same, but
-  XLA:CPU then writes a leaf-shaped array of zeros that every leaf's
-  reduction reads.
+  XLA does not fold ``g - g`` to 0; with ``g * 0``, XLA:CPU writes a
+  leaf-shaped array of zeros that every leaf's reduction reads.
 
   Examples:
     >>> nan_marker(jnp.array([1.0, jnp.inf])).tolist()
@@ -158,8 +141,7 @@ _OPTIONS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar
 
 @contextlib.contextmanager
 def compiled_with(options: dict[str, Any] | None) -> Iterator[None]:
-  """Programs built within the block compile with XLA ``options`` (the
-  audit's: see :attr:`Backend.quick_compile`)."""
+  """Programs built within the block compile with XLA ``options``."""
   token = _OPTIONS.set(options)
   try:
     yield

@@ -11,19 +11,7 @@ from jax.typing import ArrayLike
 
 
 def check_tree_matches(tree: Any, reference: Any, *, name: str, ref_name: str) -> None:
-  """Raises ``ValueError`` naming the first leaf where two trees disagree.
-
-  Structures are compared first (a missing or extra leaf), then shapes.
-
-  Examples:
-    >>> check_tree_matches({'w': jnp.ones(2)}, {'w': jnp.zeros(2)},
-    ...                    name='grads', ref_name='params')
-    >>> check_tree_matches({'w': jnp.ones(3)}, {'w': jnp.zeros(2)},
-    ...                    name='grads', ref_name='params')
-    Traceback (most recent call last):
-      ...
-    ValueError: `grads` leaf ['w'] has shape (3,) but params has shape (2,).
-  """
+  """Raises ``ValueError`` naming the first leaf where two trees disagree."""
   leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
   ref_leaves, ref_treedef = jax.tree_util.tree_flatten_with_path(reference)
   if treedef != ref_treedef:  # type: ignore[operator]  # jaxlib stub gap
@@ -58,15 +46,7 @@ def scalar(value: ArrayLike, *, name: str, dtype: Any) -> jax.Array:
 
 
 def check_scalar(value: ArrayLike, *, name: str, dtype: Any) -> None:
-  """Raises the ``ValueError`` of :func:`scalar`, or nothing; stages no op.
-
-  Examples:
-    >>> check_scalar(np.False_, name='end_window', dtype=jnp.bool_)
-    >>> check_scalar(0, name='end_window', dtype=jnp.bool_)
-    Traceback (most recent call last):
-      ...
-    ValueError: `end_window` must be a boolean, got dtype int...
-  """
+  """Raises the ``ValueError`` of :func:`scalar`, or nothing; stages no op."""
   src = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
   want_bool = jnp.issubdtype(dtype, jnp.bool_)
   ok = (
@@ -104,16 +84,7 @@ def whole_number(value: Any, *, name: str, minimum: int = 1) -> int:
 
 
 def one_of(value: Any, choices: tuple[str, ...], *, name: str) -> Any:
-  """``value`` if it is one of ``choices``, else a ``ValueError`` listing them.
-
-  Examples:
-    >>> one_of('scan', ('stream', 'scan'), name='mode')
-    'scan'
-    >>> one_of('loop', ('stream', 'scan'), name='mode')
-    Traceback (most recent call last):
-      ...
-    ValueError: `mode` must be 'stream' or 'scan', got 'loop'.
-  """
+  """``value`` if it is one of ``choices``, else a ``ValueError`` listing them."""
   if value not in choices:
     quoted = [repr(c) for c in choices]
     listed = (
@@ -145,18 +116,8 @@ def axes(axis_name: str | tuple[str, ...] | None) -> tuple[str, ...]:
 def check_trainable_leaves(tree: Any, *, name: str) -> None:
   """Raises ``ValueError`` naming the first leaf that is not floating point.
 
-  A tree that holds PRNG keys (a Flax NNX model with ``nnx.Dropout``, or its
-  whole ``nnx.split`` state) fails on its key or its counter, neither of
-  which is a parameter: the error names that leaf and the NNX dropout recipe.
-
-  Examples:
-    >>> check_trainable_leaves({'w': jnp.ones(2)}, name='params')
-    >>> tree = {'w': jnp.ones(2), 'rngs': {'count': jnp.uint32(0),
-    ...                                   'key': jax.random.key(0)}}
-    >>> check_trainable_leaves(tree, name='params')
-    Traceback (most recent call last):
-      ...
-    ValueError: `params` leaf ['rngs']['count'] has dtype uint32: ... docs/recipes.md.
+  For a tree holding PRNG keys (a Flax NNX model with ``nnx.Dropout``), the
+  error also names the key and points to the NNX dropout recipe.
   """
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
   keys = [path for path, leaf in leaves if _is_prng_key(leaf)]
@@ -191,8 +152,8 @@ def _is_prng_key(leaf: Any) -> bool:
 def describe_output(value: Any) -> str:
   """What a user function returned, in words for an error message.
 
-  An array, or a tracer of one, by its shape and dtype (a tracer's type name,
-  ``LinearizeTracer``, tells the user nothing); anything else by its type.
+  Arrays and tracers by shape and dtype (a tracer's type name tells the user
+  nothing); anything else by its type.
 
   Examples:
     >>> describe_output(jnp.float32(1.0)), describe_output(jnp.ones((2, 3)))
@@ -212,16 +173,8 @@ def describe_output(value: Any) -> str:
 
 
 def batch_leaves(batch: Any) -> list[tuple[Any, Any]]:
-  """``batch``'s leaves with their paths; ``ValueError`` unless there is one
-  and every leaf has the same leading (batch) axis, naming the first leaf and
-  the first that differs.
-
-  Examples:
-    >>> batch_leaves({"x": jnp.zeros(8), "y": jnp.zeros(4)})
-    Traceback (most recent call last):
-      ...
-    ValueError: `batch` leaves disagree on the batch size (leading axis): ['x'] ...
-  """
+  """``batch``'s leaves with their paths; ``ValueError`` unless it has leaves
+  and all share one leading (batch) axis."""
   leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
   if not leaves:
     raise ValueError("`batch` has no arrays.")

@@ -1,13 +1,10 @@
 """Ending a window: the finite check, the inner optimizer at most once, the
-state closed. One function, :func:`end`, serves ``MultiSteps.update`` (which
-returns the updates) and the train step's programs (which apply them to the
-params in place).
+state closed; :func:`end` serves ``MultiSteps.update`` and the train step.
 
-Compile time is linear in the leaves because every whole-tree scalar (the
-squared norm, the finite flag) reaches the per-leaf work only as the
-predicate of control flow (:func:`optax_accum._core._backend.once_if`): XLA
-fuses a cheap scalar chain into each consumer, so a flag read by every
-leaf's select would copy the chain over all leaves into every leaf's kernel.
+Compile time stays linear in the leaves: whole-tree scalars (the squared norm,
+the finite flag) reach per-leaf work only as control-flow predicates
+(:func:`once_if`). XLA fuses a cheap scalar chain into each consumer, so a flag
+read by every leaf's select would copy the chain over all leaves into each.
 
 Examples:
   One micro-batch of weight 2 ends a window of SGD at learning rate 1:
@@ -40,24 +37,16 @@ from optax_accum._core._state import MultiStepsConfig, MultiStepsState
 
 
 class Ending(NamedTuple):
-  """What ending a window gives.
+  """What ending a window gives."""
 
-  Attributes:
-    target: The updates (exact zeros unless the window applied one), or the
-      params with them applied (``apply_to_params``).
-    state: The state after the window's end, with the new inner state.
-    norm: The window gradient's norm where the window applied, else 0.
-  """
-
-  target: Any
-  state: MultiStepsState
-  norm: jax.Array
+  target: Any  # Updates (exact zeros unless applied), or params with them applied.
+  state: MultiStepsState  # After the window's end, with the new inner state.
+  norm: jax.Array  # The window gradient's norm where the window applied, else 0.
 
 
 def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
-  """``fn(init)`` if ``pred`` else ``init``, in the backend's form
-  (:func:`optax_accum._core._backend.once_if`); ``init`` is typed like
-  ``fn``'s outputs first (dtype, varying axes, sharding).
+  """:func:`optax_accum._core._backend.once_if`, ``init`` first typed like
+  ``fn``'s outputs (dtype, varying axes, sharding).
 
   Examples:
     >>> float(once_if(jnp.array(True), lambda x: x + 1, jnp.array(1.0)))
@@ -88,28 +77,18 @@ def end(
   extra_args: dict[str, Any],
   apply_to_params: bool = False,
 ) -> Ending:
-  """The window of ``added`` ended where ``ends``.
+  """Ends the window of ``added`` where ``ends``, its sums (any layout) reset.
 
   Only a window that ends with positive weight reads its sums; one whose
   gradient, loss or weight is not finite (on any replica) ends without an
   update. The gradient takes the dtypes of ``like``'s leaves.
 
   Args:
-    config: The accumulator's settings.
-    opt: The inner optimizer (with extra-args support).
-    added: The state with the micro-batch added; its sums, in any layout,
-      are reset where the window ends.
-    ends: Whether the window ends (a bool scalar).
-    sums: The window's sums over all replicas, one sum (laid out as
-      ``like``) or packed.
-    params: The params, for the inner optimizer.
-    like: A tree whose leaves' dtypes the gradient takes.
-    reduction: The reduction policy (replicas agree on the finite check).
+    sums: The window's sums over all replicas: one sum (laid out as ``like``)
+      or packed.
     loss: The window's loss (``MultiSteps.window_loss``), kept in the state.
-    extra_args: For the inner optimizer (with ``value``, the window's loss,
-      when the caller passes it).
-    apply_to_params: Apply the updates to ``params`` (in place where the
-      backend allows) rather than returning them.
+    apply_to_params: Return ``params`` with the updates applied (in place
+      where the backend allows) rather than the updates.
   """
   divides, window = config.divides, ms.window_of(config, added)
   positive = ends & _terms.has_weight(window)

@@ -1,8 +1,4 @@
-"""Read an optimizer state tree: the nodes of a type, the injected hyperparameters.
-
-Shared by the train step (its ``learning_rate`` metric), the framework checks
-and :mod:`optax_accum._progress._inspect`.
-"""
+"""Read an optimizer state tree: the nodes of a type, the injected hyperparameters."""
 
 from __future__ import annotations
 
@@ -22,10 +18,9 @@ def find_states(state: Any, types: tuple[type, ...]) -> list[Any]:
 
 
 def _injected(state: Any, groups: str = "") -> list[tuple[str, str, Any]]:
-  """Every injected-hyperparams state in tree order, with two labels: the
-  ``multi_transform`` groups it sits in (``"head"``, ``"encoder/attention"``;
-  its path in ``state`` outside any), and those groups followed by its path
-  in the innermost group's state."""
+  """``(short, full, node)`` for each injected-hyperparams state in tree order:
+  ``short`` its ``multi_transform`` groups (``"encoder/attention"``; outside
+  any, its path), ``full`` the groups, then its path in the innermost group."""
   types = (*_INJECTED, optax.MultiTransformState)
   leaves = jax.tree_util.tree_flatten_with_path(
     state, is_leaf=lambda x: isinstance(x, types)

@@ -78,10 +78,10 @@ def plan(
   min_leaves: int | None = None,
   max_group_size: int | None = None,
 ) -> Packing | None:
-  """The packing of ``acc`` (one sum, arrays or shapes), or ``None`` where no
-  dtype has ``min_leaves`` leaves of at most ``max_leaf_size`` elements
-  (defaults: the backend's, :class:`optax_accum._core._backend.Backend`). A
-  group's leaves share their dtype and their params' dtype."""
+  """The packing of ``acc`` (one sum, arrays or shapes), or ``None`` if none.
+
+  Thresholds default to the backend's; a group's leaves share their dtype and
+  their params' dtype."""
   backend = _backend.of(_backend.platform_of(params if params is not None else acc))
   max_leaf_size = backend.max_leaf_size if max_leaf_size is None else max_leaf_size
   min_leaves = backend.min_leaves if min_leaves is None else min_leaves
@@ -118,14 +118,13 @@ def _split(indices: list[int], shapes: Any, max_size: int) -> list[tuple[int, ..
 
 
 def packing_for(config: MultiStepsConfig, params: Any, acc: Any) -> Packing | None:
-  """The rule a train step's ``step.init`` follows (``MultiSteps.init`` never
-  packs: in the user's ``jit`` every leaf's kernel would read its own offset
-  of a shared buffer, one more kernel for XLA to compile per leaf): the
-  packing of the sums ``acc`` of ``params``, or ``None``. It packs without
-  loss terms (each its own sums) or ``should_skip_update_fn`` (which reads
-  the sums as params), where the backend packs and params are on at most one
-  device (abstract shapes and tracers count as one), if :func:`plan` finds
-  groups."""
+  """The packing ``step.init`` gives the sums ``acc`` of ``params``, or ``None``.
+
+  None with loss terms (each has its own sums), ``should_skip_update_fn``
+  (which reads the sums as params), params on several devices or a backend
+  that does not pack. ``MultiSteps.init`` never packs: in the user's ``jit``,
+  each leaf reading its offset of a shared buffer is one more kernel to compile.
+  """
   if config.terms is not None or config.should_skip_update_fn is not None:
     return None
   if not _backend.of(_backend.platform_of(params)).packs or devices(params) > 1:
@@ -134,9 +133,8 @@ def packing_for(config: MultiStepsConfig, params: Any, acc: Any) -> Packing | No
 
 
 def devices(tree: Any) -> int:
-  """How many devices ``tree``'s arrays span: concrete arrays' devices, an
-  abstract shape's sharding's, a tracer's ``Explicit`` mesh's (one where its
-  type has none)."""
+  """How many devices ``tree`` spans, by its arrays, its shapes' shardings and
+  its tracers' ``Explicit`` meshes."""
   found: set[Any] = set()
   most = 1
   for x in jax.tree.leaves(tree):
@@ -154,8 +152,7 @@ def devices(tree: Any) -> int:
 
 
 def pack(acc: Any, packing: Packing) -> Packed:
-  """``acc`` (one sum) packed as ``packing`` says, its leaves matched to the
-  packing's by path (a ``ValueError`` naming the first that differs)."""
+  """``acc`` (one sum) packed as ``packing`` says; ``ValueError`` if paths differ."""
   check_params(acc, packing, name="the state's accumulator")
   if _abstract(acc):
     return jax.eval_shape(lambda a: _pack(a, packing), acc)
@@ -191,9 +188,8 @@ def packed(acc: Any, packing: Packing) -> tuple[tuple[Any, ...], tuple[Any, ...]
 
 
 def packed_like(grads: Any, packing: Packing, name: str = "updates") -> Packed:
-  """Inside a program: a gradient laid out as ``packing``'s sums, after a
-  check of its leaves by path (a ``ValueError`` naming the leaf of ``name``:
-  at trace time)."""
+  """Inside a program: ``grads`` laid out as ``packing``'s sums, checked by path
+  at trace time."""
   check_params(grads, packing, name=name)
   return Packed(*packed(grads, packing), packing)
 
@@ -329,13 +325,11 @@ def one_sum_shapes(acc: Any) -> Any:
 
 
 def converted(acc: Any, target: Any) -> Any:
-  """``acc`` (any layout) in the layout of ``target`` (``None``: one sum, as
-  it is), placed like it (arrays or shapes with shardings: the layouts of
-  :mod:`optax_accum._step._layout` give shapes). Exact, but for partial sums
-  of another number of replicas, added up first: for as many, each keeps
-  its place in the stack (a checkpoint restores them as host arrays); one
-  sum becomes the first replica's partial sum (the others start from
-  zeros), so a window in progress carries on exactly."""
+  """``acc`` (any layout) in ``target``'s layout (``None``: one sum), placed like it.
+
+  Exact, but partial sums of another number of replicas are added up first; as
+  many keep their places in the stack, and one sum becomes the first replica's
+  partial sum (the others zeros), so a window in progress carries on exactly."""
   if target is None:
     return one_sum(acc)
   if isinstance(target, PerReplica):

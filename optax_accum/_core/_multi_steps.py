@@ -1,9 +1,8 @@
 """Token-weighted gradient accumulation: a drop-in for ``optax.MultiSteps``.
 
-:class:`MultiSteps` is the optax adapter over the window arithmetic
-(:mod:`optax_accum._core._window`), the reduction policy
-(:mod:`optax_accum._core._reduction`) and the state transitions
-(:mod:`optax_accum._core._transitions`) it shares with ``make_train_step``.
+:class:`MultiSteps` adapts to optax the window arithmetic (``_window``), the
+reduction policy (``_reduction``) and the state transitions (``_transitions``)
+that it shares with ``make_train_step``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 r"""The gradient noise scale of each window, from the window's own units.
 
-A window's *units* are the gradients it adds: one per micro-batch, or one per
-micro-batch and replica where each replica passes its own (``axis_name``). From
-unit :math:`i`'s mean gradient :math:`g_i` over :math:`w_i` items
-(:math:`W = \sum_i w_i`), :math:`G = \sum_i w_i g_i / W` and
+A window's *units* are the gradients it adds: one per micro-batch (and replica,
+with ``axis_name``). From unit :math:`i`'s mean gradient :math:`g_i` over
+:math:`w_i` items (:math:`W = \sum_i w_i`), :math:`G = \sum_i w_i g_i / W` and
 :math:`A = \sum_i w_i |g_i|^2 / W` give unbiased estimates of
 :math:`\operatorname{tr}\Sigma` and :math:`|\mu|^2`, with no collective of their
 own (``docs/noise_scale.md``).
@@ -72,11 +71,9 @@ def measures(noise: Any) -> bool:
 def unit_share(
   grads: Any, weight: jax.Array, adds: jax.Array, grad_reduction: str, reduction: Any
 ) -> jax.Array:
-  """One unit's term of ``acc_squares``: :math:`w |g|^2` for a gradient of a
-  mean, :math:`|x|^2 / w` for one of a sum (or of a share of the window's
-  mean); 0 where the unit does not add. ``grads`` in any layout (packed groups
-  hold the same elements); a leaf split over model-parallel mesh axes is summed
-  over its shards."""
+  """One unit's term of ``acc_squares`` (0 where it does not add): :math:`w |g|^2`
+  for a gradient of a mean, :math:`|x|^2 / w` for one of a sum (or of a share of
+  the window's mean). ``grads`` in any layout, model-parallel shards summed."""
   sums = [jnp.zeros([], weight.dtype)]
   for g in jax.tree.leaves(grads):
     g = jnp.abs(jnp.asarray(g)).astype(weight.dtype)
@@ -128,16 +125,14 @@ def closed(
   applies: jax.Array,
   grad_reduction: str,
 ) -> NoiseScaleState:
-  """``noise`` after the window's end (where ``ends``): the window's estimates
-  where it applied an update with 2 or more units (else 0, and ``units`` 0
-  where it applied none), the running sums reset.
+  """``noise`` after the window's end (where ``ends``), the running sums reset.
+
+  The estimates are the window's where it applied an update with 2 or more
+  units, else 0 (and ``units`` 0 where it applied none).
 
   Args:
-    noise: The window's measurements with its last micro-batch added.
     squares: :math:`|G|^2`, the squared norm of the window's mean gradient.
     weight: :math:`W`, the window's weight.
-    ends: Whether the window ends.
-    applies: Whether it applies an update.
     grad_reduction: As ``MultiSteps`` takes it (shares of the window's mean
       are scaled by :math:`W^2` here).
   """
@@ -169,9 +164,8 @@ def closed(
 
 
 def metric(noise: NoiseScaleState, updated: ArrayLike = True) -> dict[str, jax.Array]:
-  """The step's ``noise_scale`` metric: the last window's estimates if
-  ``updated`` (the call ended a window with an update), zeros (``units`` 0)
-  otherwise."""
+  """The step's ``noise_scale`` metric: the last window's estimates where
+  ``updated`` (the call ended a window with an update), else zeros."""
   fields = {"squared_norm": noise.squared_norm, "trace": noise.trace}
   fields["units"] = noise.units
   return {name: jnp.where(updated, x, jnp.zeros_like(x)) for name, x in fields.items()}

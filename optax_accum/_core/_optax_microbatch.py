@@ -1,11 +1,9 @@
 """A token-weighted accumulator for ``optax.microbatch``.
 
-optax's own accumulators (``SUM``, ``MEAN``, ``RUNNING_MEAN``, ``CONCAT``) know
-nothing of the items behind each micro-batch: ``MEAN`` of per-micro-batch
-token means is the mean of means (F1). This one takes ``(value, weight)``
-pairs and keeps the window arithmetic's sums (:mod:`optax_accum._core._window`):
-``sum_i w_i v_i`` and ``sum_i w_i``, with the policy ``MultiSteps`` applies to
-weights.
+optax's own accumulators know nothing of the items behind each micro-batch:
+``MEAN`` of per-micro-batch token means is the mean of means (F1). This one
+takes ``(value, weight)`` pairs and keeps :mod:`optax_accum._core._window`'s
+sums, ``sum_i w_i v_i`` and ``sum_i w_i``, with ``MultiSteps``' weight policy.
 """
 
 from __future__ import annotations
@@ -36,19 +34,11 @@ _EXPECTED = (
 )
 @dataclasses.dataclass(frozen=True)
 class _Carry:
-  """The loop's carry: the window's sums, and the dtypes the result takes.
+  """The loop's carry: the window's sums, and the dtypes the result takes."""
 
-  Attributes:
-    window: ``acc_grads`` holds ``sum_i w_i v_i`` (like the value, float32 at
-      least), ``acc_weight`` holds ``sum_i w_i``.
-    negative: int32 ``[]``. Micro-batches whose weight was negative.
-    value_dtypes: Static. The dtype of each value leaf, in tree order.
-    weight_dtype: Static. The weight's dtype.
-  """
-
-  window: _window.Window
-  negative: jax.Array
-  value_dtypes: tuple[Any, ...]
+  window: _window.Window  # sum_i w_i v_i (float32 at least) and sum_i w_i.
+  negative: jax.Array  # int32 []: micro-batches whose weight was negative.
+  value_dtypes: tuple[Any, ...]  # Each value leaf's dtype, in tree order.
   weight_dtype: Any
 
 
@@ -128,11 +118,8 @@ def _pair(output: Any) -> tuple[Any, Any]:
 
 
 def _check_weight(weight: Any) -> None:
-  """Raises ``ValueError`` unless ``weight`` is one scalar, naming what it is.
-
-  A tree or an array there is most often a gradient: ``jax.value_and_grad``
-  output, ``(loss, grads)``, returned without the weight.
-  """
+  """Raises ``ValueError`` unless ``weight`` is one scalar: a tree or an array
+  there is most often the gradient of ``(loss, grads)``, returned unweighted."""
   leaves = jax.tree_util.tree_flatten_with_path(weight)[0]
   if not (len(leaves) == 1 and not leaves[0][0]):
     shapes = [f"{jax.tree_util.keystr(path)} {np.shape(x)}" for path, x in leaves]

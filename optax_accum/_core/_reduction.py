@@ -1,11 +1,9 @@
 """The reduction policy: what a window's sums are summed over, and when.
 
-The caller builds a :class:`Local`, :class:`Replicas` or :class:`Deferred`
-policy and passes it to the window arithmetic (:mod:`optax_accum._core._window`),
-which never reduces anything itself. Under ``shard_map`` with ``check_vma=True``
-JAX types a gradient of params that entered the map replicated as invariant over
-the data axes, summed already: it is counted once (``grad_reduction="sum"``) or
-refused with the fix (``"mean"``: its per-replica weights can no longer apply).
+The window arithmetic (:mod:`optax_accum._core._window`) never reduces by itself.
+Under ``shard_map`` with ``check_vma=True`` the gradient of params that entered
+replicated comes back already summed over the data axes: it is counted once
+(``"sum"``) or refused (``"mean"``: per-replica weights no longer apply).
 """
 
 from __future__ import annotations
@@ -29,10 +27,7 @@ def varying_axes(x: Any) -> frozenset[str]:
 
 
 def varying_over(x: Any, axes: Any) -> jax.Array:
-  """``x``, typed as differing per replica over ``axes`` (``shard_map`` types).
-
-  Outside ``shard_map`` (no axes to add) ``x`` comes back as it is.
-  """
+  """``x`` typed as varying over ``axes`` (as it is outside ``shard_map``)."""
   missing = tuple(sorted(set(axes) - varying_axes(x)))
   return jax.lax.pcast(x, missing, to="varying") if missing else jnp.asarray(x)
 
@@ -44,10 +39,8 @@ def unreduced_axes(x: Any) -> frozenset[str]:
 
 
 def check_replicas(axis_name: AxisName | None, weight: Any) -> None:
-  """Refuses per-replica weights under manual axes that no ``axis_name`` names
-  (each replica would divide by its own window weight). A weight typed the same
-  on every replica (``check_vma``) passes; under ``pmap`` any ``weight`` is
-  refused. ``axis_name=()`` says the replicas are independent on purpose."""
+  """Refuses a ``weight`` that may vary per replica under manual axes that no
+  ``axis_name`` names (under ``pmap``: any ``weight``); ``axis_name=()`` opts out."""
   if axis_name is not None or weight is None:
     return
   manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
@@ -97,13 +90,8 @@ class Local:
     return jnp.asarray(x)
 
   def any(self, flag: jax.Array, window: Any = ()) -> jax.Array:
-    """Whether ``flag`` holds on any shard of the same window, on all of them.
-
-    Inside ``shard_map``, model-parallel shards of one window (whose
-    ``window`` values, its weights, are the same) see different parts of the
-    gradient: the flag is combined over the mesh axes it varies over and the
-    weights do not. Per-device windows (weights that vary) stay independent.
-    """
+    """Whether ``flag`` holds on any shard of the same window, on all of them:
+    combined over the axes it varies over and ``window``'s weights do not."""
     return _any_over(flag, tuple(sorted(varying_axes(flag) - _own_axes(window))))
 
   def over_shards(self, x: jax.Array, window: Any = ()) -> jax.Array:
@@ -129,8 +117,7 @@ class Local:
     return tree
 
   def cast_params(self, params: Any) -> Any:
-    """``params`` typed so that their gradients come out as this policy adds
-    them (as they are here)."""
+    """``params`` typed so that their gradients come out as this policy adds them."""
     return params
 
   def per_window(self) -> Local:
@@ -140,13 +127,8 @@ class Local:
 
 @dataclasses.dataclass(frozen=True)
 class Replicas(Local):
-  """Per-replica values over mesh axes ``axes``, summed over them.
-
-  Args:
-    axes: The data-parallel mesh axis name, or a tuple of them.
-    at_window_end: Keep each replica's weighted gradients in its own partial
-      sum and add the partial sums up once, in :meth:`window_gradient`.
-  """
+  """Per-replica values summed over mesh axes ``axes``; with ``at_window_end``
+  gradients stay per-replica partial sums until :meth:`window_gradient`."""
 
   def __init__(self, axes: AxisName, at_window_end: bool = False):
     object.__setattr__(self, "axes", _checks.axes(axes))
@@ -167,8 +149,7 @@ class Replicas(Local):
     return self.axes[0] in varying_axes(probe)
 
   def sum(self, x: Any) -> jax.Array:
-    """``x`` summed over the replicas; a value JAX already summed over some
-    of them counts on their first replica only."""
+    """``x`` summed over the replicas, counting once what JAX summed already."""
     return jax.lax.psum(self.own(self._once(x)), self.axes)
 
   def _once(self, x: Any) -> jax.Array:
@@ -204,9 +185,8 @@ class Replicas(Local):
     return Replicas(self.axes, at_window_end=True)
 
   def cast_params(self, params: Any) -> Any:
-    """``params`` typed as differing per replica, so their gradients stay
-    each replica's own (inside ``shard_map`` JAX would otherwise sum them
-    before the per-replica weights apply)."""
+    """``params`` typed as varying per replica, so that JAX does not sum their
+    gradients before the per-replica weights apply."""
     if not self.typed:
       return params
     for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -240,11 +220,9 @@ class Replicas(Local):
 
 @dataclasses.dataclass(frozen=True)
 class Deferred(Local):
-  """Plain ``jit`` on an ``Explicit`` mesh, the batch split over the data axes
-  ``over``. The params ``leaves`` marks (a bool per leaf, in tree order) enter
-  the gradient typed ``reduced``, so their gradients stay ``unreduced`` partial
-  sums until :meth:`window_gradient`; the others' join them on the first
-  replica. Every other value is global, as with :class:`Local`."""
+  """Plain ``jit`` on an ``Explicit`` mesh, the batch split over data axes ``over``.
+  Gradients of the params ``leaves`` marks stay ``unreduced`` partial sums until
+  :meth:`window_gradient`; the others' join them on the first replica."""
 
   mesh: Any = None
   over: tuple[str, ...] = ()
@@ -267,9 +245,8 @@ class Deferred(Local):
     return jax.reshard(p, NamedSharding(self.mesh, P(*parts, reduced=set(self.over))))
 
   def gradient(self, x: jax.Array) -> jax.Array:
-    """``x`` as partial sums: itself if JAX left it so; a gradient XLA
-    summed already goes to the first replica (zeros on the others), so the
-    accumulator holds partial sums throughout, moving nothing."""
+    """``x`` as partial sums: as it is if ``unreduced``, else on the first
+    replica only (zeros elsewhere), which moves nothing."""
     if unreduced_axes(x):
       return x
     parts = jax.typeof(x).sharding.spec.partitions
@@ -298,10 +275,7 @@ class Deferred(Local):
 
 
 def replica_index(axis_name: AxisName) -> jax.Array:
-  """This replica's position over the mesh axes ``axis_name`` (row-major).
-
-  Inside ``shard_map`` or ``pmap`` only.
-  """
+  """This replica's row-major position over the mesh axes ``axis_name``."""
   index = jnp.zeros([], jnp.int32)
   for axis in _checks.axes(axis_name):
     index = index * jax.lax.axis_size(axis) + jax.lax.axis_index(axis)

@@ -102,8 +102,7 @@ class MultiStepsState(NamedTuple):
 
 
 def _flat(state: MultiStepsState) -> tuple[tuple[Any, ...], int]:
-  """A state's fields as pytree children, without ``noise_scale`` where it
-  measures nothing (release 0.1.0's structure); what every dispatch flattens."""
+  """The pytree children, less a ``None`` ``noise_scale`` (release 0.1.0's tree)."""
   children = tuple(state) if state.noise_scale is not None else tuple(state)[:-1]
   return children, len(children)
 
@@ -237,8 +236,7 @@ class MultiStepsConfig:
 
 
 def check_single_accumulation(inner_state: Any) -> None:
-  """Raises ``ValueError`` where an inner optimizer's state holds a
-  ``MultiSteps`` state: windows of windows, counted wrong."""
+  """Raises ``ValueError`` where ``inner_state`` holds a ``MultiSteps`` state."""
   kinds = (MultiStepsState, optax.MultiStepsState)
   nodes = jax.tree.leaves(inner_state, is_leaf=lambda x: isinstance(x, kinds))
   if any(isinstance(node, kinds) for node in nodes):

@@ -1,17 +1,12 @@
 """Windows of loss terms: each term keeps its own weight over the window.
 
-An objective that sums terms normalised differently (a token-mean
-cross-entropy, a per-sequence KL, a per-micro-batch auxiliary loss) needs
-each term's weighted mean over the whole window: ``sum_t A_t / W_t``, with
-``A_t`` the running sum of ``weight_t * grad_t`` and ``W_t`` of ``weight_t``.
-No ``W_t`` is known before the window ends, so each term keeps its own sum.
-
-A window here is a tuple of :class:`~optax_accum._core._window.Window`, one per
-term in the order the terms were declared; a plain window is a window of one
-term. Every function takes such a tuple and no caller asks how many terms it
-holds. :func:`split` and :func:`joined` convert from and to the state's
-fields, where a plain window keeps the params' structure and a window of terms
-holds tuples; the terms' names (``MultiStepsConfig.terms``) decide which.
+Terms normalised differently (a token-mean cross-entropy, a per-sequence KL)
+need each term's weighted mean over the window, ``sum_t A_t / W_t`` (``A_t`` the
+sum of ``weight_t * grad_t``, ``W_t`` of ``weight_t``), and no ``W_t`` is known
+before the window ends. A window here is a tuple of
+:class:`~optax_accum._core._window.Window`, one per term in declared order (a
+plain window is one term); :func:`split` and :func:`joined` convert to and from
+the state's fields.
 
 Examples:
   Two terms: a token mean over 1 then 3 tokens, and a per-micro-batch term
@@ -47,9 +42,7 @@ Names = tuple[str, ...] | None
 
 
 def per_term(stored: Any, names: Names) -> tuple[Any, ...]:
-  """A field of a state's window (``acc_grads``, ``acc_weight``,
-  ``acc_loss``), one entry per term: a tuple with loss terms ``names``, the
-  value of the one term without."""
+  """A window field of the state (``acc_grads``, ...) as one entry per term."""
   return (stored,) if names is None else tuple(stored)
 
 
@@ -59,8 +52,7 @@ def stored(entries: tuple[Any, ...], names: Names) -> Any:
 
 
 def split(window: Window, names: Names) -> Terms:
-  """A window stored as a state's fields, one window per term (the noise
-  measurements, of a window of one term only, ride on the first)."""
+  """A state's window as one window per term; noise measurements ride on the first."""
   fields = (per_term(f, names) for f in window[1:-1])
   parts = [Window(window.mini_step, *f) for f in zip(*fields, strict=True)]
   parts[0] = parts[0]._replace(noise_scale=window.noise_scale)
@@ -75,8 +67,7 @@ def joined(window: Terms, names: Names) -> Window:
 
 
 def empty(params: Any, dtype: DTypeLike | None = None, terms: Names = None) -> Terms:
-  """An empty window for ``params``: one term, or one per name in ``terms``,
-  each with its own buffers."""
+  """An empty window for ``params``: one term, or one per name in ``terms``."""
   return tuple(_window.empty(params, dtype) for _ in terms or (None,))
 
 
@@ -90,9 +81,8 @@ def admit(
   counted: ArrayLike = True,
   drop_nonfinite: bool = False,
 ) -> tuple[Admission, ...]:
-  """:func:`~optax_accum._core._window.admit` for each term; a micro-batch is one
-  unit: a bad weight (or, with ``drop_nonfinite``, a non-finite gradient or
-  loss) in any term drops all of its terms."""
+  """:func:`~optax_accum._core._window.admit` for each term; a micro-batch
+  dropped in any term is dropped in all."""
   policy = dict(reduction=reduction, counted=counted, drop_nonfinite=drop_nonfinite)
   each = tuple(
     _window.admit(part, g, value, w, **policy)
@@ -129,16 +119,13 @@ def add(
 
 
 def spoil(window: Terms, where: ArrayLike) -> Terms:
-  """Every term's sum NaN where ``where`` (see
-  :func:`~optax_accum._core._window.spoil`)."""
+  """Every term spoiled where ``where`` (:func:`~optax_accum._core._window.spoil`)."""
   return tuple(_window.spoil(part, where) for part in window)
 
 
 def gradient(window: Terms, like: Any, divide: bool = True) -> Any:
-  """The window's gradient, ``sum_t A_t / W_t``, cast to the dtypes of
-  ``like``'s leaves: a term of weight 0 adds nothing (see
-  :func:`~optax_accum._core._window.gradient`). One term's weight is the
-  window's, so its gradient is the term's own."""
+  """The window's gradient ``sum_t A_t / W_t`` in ``like``'s dtypes; a term of
+  weight 0 adds nothing."""
   if len(window) == 1:
     return _window.gradient(window[0], like, divide)
   total = None
@@ -153,8 +140,7 @@ def gradient(window: Terms, like: Any, divide: bool = True) -> Any:
 
 
 def squares(window: Terms, like: Any, divide: bool = True) -> jax.Array:
-  """The squared norm of :func:`gradient` (see
-  :func:`~optax_accum._core._window.squares`)."""
+  """The squared norm of :func:`gradient`, NaN where it is not finite."""
   if len(window) == 1:
     return _window.squares(window[0], like, divide)
   one = jnp.ones([], window[0].acc_weight.dtype)

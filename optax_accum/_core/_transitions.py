@@ -1,8 +1,7 @@
 """State transitions of a ``MultiStepsState``: one micro-batch in, a window out.
 
-Shared by :meth:`optax_accum.MultiSteps.update` and the train step's programs
-(:mod:`optax_accum._step._programs`), each with its own reduction policy: the window
-arithmetic of :mod:`optax_accum._core._window` plus the counters, the optional
+Shared by :meth:`optax_accum.MultiSteps.update` and the train step's programs,
+each with its own reduction policy: the window arithmetic plus the counters,
 ``should_skip_update_fn`` and the inner optimizer's call.
 """
 
@@ -44,8 +43,7 @@ def window_of(config: MultiStepsConfig, state: MultiStepsState) -> _terms.Terms:
 def with_window(
   config: MultiStepsConfig, state: MultiStepsState, window: _terms.Terms
 ) -> MultiStepsState:
-  """``state`` holding ``window`` (see :func:`window_of`); a window that does
-  not measure leaves the state's noise measurements as they are."""
+  """``state`` holding ``window``; without noise measurements, keeps the state's."""
   fields = _terms.joined(window, config.terms)._asdict()
   if fields["noise_scale"] is None:
     del fields["noise_scale"]
@@ -60,12 +58,9 @@ def _screened(
   params: Any,
   reduction: Any,
 ) -> tuple[jax.Array, Any]:
-  """Whether ``should_skip_update_fn`` lets the micro-batch count, and its state.
-
-  The function sees the micro-batch's whole gradient (:func:`_whole`), as on
-  one device. A rejection on any replica rejects it on all of them, and every
-  replica keeps the same ``skip_state``: its leaves' maximum over them.
-  """
+  """Whether ``should_skip_update_fn`` lets the micro-batch count, and its state:
+  it sees the whole gradient (:func:`_whole`), one replica's rejection rejects on
+  all, and ``skip_state`` is its leaves' maximum over the replicas."""
   if config.should_skip_update_fn is None:
     return jnp.array(True), state.skip_state
   whole = _whole(config, state, grads, weight, reduction)
@@ -86,13 +81,9 @@ def _whole(
   weight: Any,
   reduction: Any,
 ) -> Any:
-  """The micro-batch's gradient over all replicas, as one device computes it.
-
-  Partial sums (:class:`~optax_accum._core._reduction.Deferred`) are reduced;
-  replicas' gradients of means are averaged by their weights (weights of 0
-  or below count 0, non-finite ones make it NaN), of sums summed: one more
-  reduction of a gradient per micro-batch.
-  """
+  """The micro-batch's gradient over all replicas, as one device computes it
+  (means averaged by the replicas' weights, NaN for a non-finite weight): one
+  more gradient reduction per micro-batch."""
   if not reduction.axes:
     return reduction.window_gradient(grads)
   dtype = jnp.result_type(jax.tree.leaves(state.acc_weight)[0])
@@ -116,9 +107,8 @@ def _whole_term(
 
 
 def _mean_of(x: Any, w: jax.Array, total: jax.Array, reduction: Any) -> jax.Array:
-  """``x``'s mean over the replicas weighted by ``w`` (``total`` their sum; 0
-  without weight); as it is if JAX summed it already (adding it then raises
-  the error that says why)."""
+  """``x``'s mean over the replicas weighted by ``w`` (``total`` their sum), or
+  ``x`` itself if JAX summed it already (adding it raises the error)."""
   x = jnp.asarray(x)
   if reduction.summed_already(x):
     return x
@@ -140,9 +130,8 @@ def add_micro_batch(
   loss: Any,
   reduction: Any,
 ) -> tuple[MultiStepsState, jax.Array]:
-  """``state`` with a micro-batch added (never ending the window), and whether
-  it counts towards ``k``. With ``config.terms``, ``grads``, ``weight`` and
-  ``loss`` are dicts by term name (or tuples in the terms' order)."""
+  """``state`` with a micro-batch added (the window not ended), and whether it
+  counts towards ``k``. With terms, values are by term (:func:`by_term`)."""
   if config.terms is not None:
     grads = by_term(config.terms, grads, "updates")
   _checks.check_tree_matches(
@@ -193,8 +182,7 @@ def add_micro_batch(
 def _per_term(
   config: MultiStepsConfig, grads: Any, weight: Any, loss: Any
 ) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:
-  """A micro-batch's gradient, weight and loss, one entry per term (one for a
-  plain window); ``grads`` are by term already."""
+  """The micro-batch's grads (by term already), weight and loss, one per term."""
   if config.terms is not None:
     names = config.terms
     losses = (None,) * len(names) if loss is None else by_term(names, loss, "loss")
@@ -210,8 +198,7 @@ def _per_term(
 
 
 def by_term(names: tuple[str, ...], values: Any, what: str) -> tuple[Any, ...]:
-  """``values`` (a dict by term name, or a tuple in ``names``' order) as a
-  tuple in ``names``' order; a ``ValueError`` naming what is missing."""
+  """``values`` (a dict by term name, or a tuple) in ``names``' order."""
   if isinstance(values, tuple) and len(values) == len(names):
     return values
   if not isinstance(values, dict) or set(values) != set(names):
@@ -244,14 +231,9 @@ def run_inner(
   params: Any,
   extra_args: dict[str, Any],
 ) -> tuple[Any, Any]:
-  """The inner optimizer's update on a window's gradient; the new inner state
-  keeps the old one's dtypes.
-
-  The window's totals go as the extra arguments ``window_weight`` and
-  ``window_micro_steps``, except to an optimizer that runs a line search
-  (found by its state's type): optax's line searches hand every extra
-  argument on to ``value_fn``, which does not take them.
-  """
+  """The inner optimizer's update on a window's gradient, its state's dtypes kept;
+  the window's totals go as extra arguments, except to a line search, which would
+  hand them on to a ``value_fn`` that does not take them."""
   inner_state = added.inner_opt_state
   if not _hyperparams.find_states(inner_state, _LINE_SEARCHES):
     window = window_of(config, added)
@@ -275,9 +257,8 @@ def closed(
   divided_loss: jax.Array,
   squares: jax.Array,
 ) -> MultiStepsState:
-  """The state after the window's end (where ``ends``), with the new inner
-  state; ``divided_loss`` is the window's loss (:meth:`MultiSteps.window_loss`)
-  and ``squares`` its gradient's squared norm (:func:`_terms.squares`)."""
+  """The state after the window's end (where ``ends``); ``divided_loss`` is its
+  :meth:`MultiSteps.window_loss`, ``squares`` its gradient's squared norm."""
   window = window_of(config, added)
   noise = added.noise_scale
   if config.noise_scale:
@@ -309,11 +290,9 @@ def _kept_unless(ends: jax.Array, new: jax.Array, old: ArrayLike) -> jax.Array:
 
 
 def typed_like(x: Any, like: Any) -> jax.Array:
-  """``x`` typed as ``like`` (an array, or an abstract value from
-  ``jax.eval_shape``):
-  varying over the same manual mesh axes, and split alike on an ``Explicit``
-  mesh (an inner state built with ``jnp.zeros(p.shape)`` is replicated where
-  its update returns it split like its param)."""
+  """``x`` typed as ``like`` (an array or an abstract value): varying over the
+  same manual axes, and split alike on an ``Explicit`` mesh (an inner state built
+  with ``jnp.zeros(p.shape)`` is replicated; its update may split it)."""
   types = getattr(like, "manual_axis_type", None)
   x = _reduction.varying_over(x, types.varying if types is not None else ())
   aval = like if isinstance(like, jax.ShapeDtypeStruct) else jax.typeof(like)
@@ -327,8 +306,7 @@ def typed_like(x: Any, like: Any) -> jax.Array:
 
 
 def check_extra_args(extra_args: dict[str, Any], loss: Any) -> None:
-  """Raises ``ValueError`` for extra arguments the accumulator sets itself, or
-  that look like a typo of its own (the inner optimizer would ignore them)."""
+  """Refuses extra arguments the accumulator sets itself, or typos of its own."""
   for name in extra_args:
     close = difflib.get_close_matches(name, ("weight", "loss", "end_window"), 1, 0.8)
     if close:

@@ -1,14 +1,12 @@
 """Window arithmetic: the running sums of one accumulation window.
 
-Pure functions over a small state, :class:`Window`: admit a micro-batch (the
-bad-weight and non-finite policy), add it, end the window in its
-gradient and squared norm, reset. No optax and no collectives: whatever must
-be summed over data-parallel replicas goes through the ``reduction`` policy
-the caller passes (:mod:`optax_accum._core._reduction`).
+Pure functions over :class:`Window`: admit a micro-batch, add it, end the window
+in its gradient and squared norm, reset. No optax and no collectives: what is
+summed over replicas goes through the caller's ``reduction`` policy
+(:mod:`optax_accum._core._reduction`).
 
 Examples:
-  Two micro-batches of 1 and 3 items; the window's gradient is their item
-  mean:
+  Two micro-batches of 1 and 3 items; the window's gradient is their item mean:
 
   >>> import jax.numpy as jnp
   >>> from optax_accum._core import _reduction, _window
@@ -36,20 +34,7 @@ from optax_accum._core import _backend, _checks, _noise
 
 
 class Window(NamedTuple):
-  """The window in progress. Field names are those of ``MultiStepsState``.
-
-  Attributes:
-    mini_step: int32 ``[]``. Micro-batches counted so far.
-    acc_grads: Like params, in the accumulator dtype: the running sum of
-      ``weight * grad`` (gradients of means) or of ``grad`` (of sums). While
-      ``mini_step`` is 0 it counts as zeros, whatever it holds.
-    acc_weight: float ``[]``, float32 at least. The running sum of weights.
-    acc_loss: Like ``acc_weight``. The running sum of ``weight * loss`` (or
-      of ``loss``, for summed losses).
-    noise_scale: ``None``, or the window's noise measurements
-      (:class:`~optax_accum._core._noise.NoiseScaleState`), added with each
-      unit's weight.
-  """
+  """The window in progress: ``MultiStepsState``'s window fields (documented there)."""
 
   mini_step: jax.Array
   acc_grads: Any
@@ -118,14 +103,10 @@ def admit(
   counted: ArrayLike = True,
   drop_nonfinite: bool = False,
 ) -> Admission:
-  """Decides what a micro-batch adds: the bad-weight and non-finite policy.
-
-  A negative or non-finite weight on any replica drops the micro-batch on all
-  of them (it still counts towards the window's length). With
-  ``drop_nonfinite``, so does a non-finite gradient or loss. Weight 0 adds
-  nothing and drops nothing. ``counted=False`` (a rejected micro-batch) adds
-  nothing and is not dropped.
-  """
+  """What a micro-batch adds (the bad-weight and non-finite policy): a negative or
+  non-finite weight on any replica, or with ``drop_nonfinite`` a non-finite
+  gradient or loss, drops it on all, though it counts towards ``k``; weight 0 and
+  ``counted=False`` add nothing and drop nothing."""
   w = _checks.scalar(weight, name="weight", dtype=window.acc_weight.dtype)
   w, counted = reduction.own(w), jnp.asarray(counted)
   shards = (w, window.acc_weight)
@@ -142,12 +123,8 @@ def _wider(a: Any, b: Any) -> Any:
 
 
 def _times(x: jax.Array, factor: jax.Array) -> jax.Array:
-  """``x * factor`` for a scalar ``factor`` the same on every device.
-
-  Partial sums (a gradient JAX left ``unreduced`` over some mesh axes: see
-  ``_reduction.Deferred``) scale by a factor typed ``reduced`` over the same
-  axes, a cast that moves nothing.
-  """
+  """``x * factor`` for a replicated scalar ``factor``; for ``unreduced`` partial
+  sums ``factor`` is typed ``reduced`` over the same axes, which moves nothing."""
   sharding = jax.typeof(x).sharding
   spec = getattr(sharding, "spec", None)
   axes: frozenset[str] = getattr(spec, "unreduced", frozenset())
@@ -166,9 +143,8 @@ def _weighted(
   name: str,
   reduction: Any,
 ) -> jax.Array:
-  """``weight * x`` (or ``x``) where the micro-batch adds, else 0, at least
-  as wide as the weight: a float16 accumulator must not turn a weight of
-  70000 into inf."""
+  """``weight * x`` (or ``x``) where the micro-batch adds, else 0, at least as wide
+  as the weight: a float16 accumulator must not turn a weight of 70000 into inf."""
   x = jnp.asarray(x).astype(_wider(dtype, kept.weight.dtype))
   if not reduction.summed_already(x):
     x = _times(x, kept.weight.astype(x.dtype)) if weigh else x
@@ -186,14 +162,11 @@ def _weighted(
 
 
 def _rounded(x: jax.Array, dtype: Any) -> jax.Array:
-  """``x`` in ``dtype``, rounded there on every backend.
-
-  Where ``dtype`` is narrower, a barrier keeps the rounding: with excess
-  precision allowed (its default), XLA:GPU drops a narrowing convert that a
-  widening one follows, so a float16 sum that overflows would stay finite
-  when the window ends in the same program, and differ from the sum the
-  state holds between programs. XLA:CPU removes the barrier before fusion.
-  """
+  """``x`` in ``dtype``, rounded there on every backend by a barrier on a narrowing
+  cast: XLA:GPU (excess precision on, its default) drops a narrowing convert that
+  a widening one follows, so an overflowing float16 sum would stay finite when the
+  window ends in the same program, unlike the stored one. XLA:CPU removes the
+  barrier before fusion."""
   y = x.astype(dtype)
   if jnp.dtype(dtype).itemsize < jnp.dtype(x.dtype).itemsize:
     y = jax.lax.optimization_barrier(y)
@@ -209,15 +182,9 @@ def add(
   reduction: Any,
   weigh: bool = True,
 ) -> Window:
-  """``window`` with an admitted micro-batch added.
-
-  ``weigh``: the gradient and loss are means over the micro-batch's items and
-  are multiplied by its weight; otherwise they are sums, added as they are.
-  Added in the product's dtype and rounded once to the accumulator's; a
-  window's first micro-batch overwrites whatever the accumulator holds. A
-  window that measures its noise adds the micro-batch's squared norm, summed
-  over replicas with its weight.
-  """
+  """``window`` with an admitted micro-batch added: with ``weigh`` the gradient and
+  loss are means, times the weight, else sums; each add rounds once, and the
+  window's first micro-batch overwrites the accumulator."""
   noise = window.noise_scale
   if _noise.measures(noise):
     _noise.check_own(grads, reduction)
@@ -250,8 +217,7 @@ def add(
 
 
 def spoil(window: Window, where: ArrayLike) -> Window:
-  """``window`` with a NaN sum where ``where``: it will end without an update
-  (its :func:`squares` is NaN), as a window holding a NaN gradient does. For sums of
+  """``window`` with a NaN sum where ``where``, so it ends without an update: for
   shares of the window's mean, which cannot drop one micro-batch alone.
 
   Examples:
@@ -273,13 +239,9 @@ def _increment(count: jax.Array) -> jax.Array:
 
 
 def gradient(window: Window, like: Any, divide: bool = True) -> Any:
-  """The window's gradient: its sum times ``1 / weight`` (if ``divide``),
-  cast to the dtype of each leaf of ``like`` (the params, or the updates
-  :class:`~optax_accum.MultiSteps` was given).
-
-  A product with the reciprocal (within 1 ulp of the quotient): XLA fuses it
-  into the optimizer's ops, where a quotient gets a buffer.
-  """
+  """The window's sum times ``1 / weight`` (if ``divide``), in ``like``'s dtypes:
+  a product with the reciprocal (within 1 ulp of the quotient), which XLA fuses
+  into the optimizer's ops where a quotient gets a buffer."""
   weight = window.acc_weight
   inverse = 1 / (weight if divide else jnp.ones_like(weight))
 
@@ -292,14 +254,9 @@ def gradient(window: Window, like: Any, divide: bool = True) -> Any:
 
 
 def squares(window: Window, like: Any, divide: bool = True) -> jax.Array:
-  """The squared norm of :func:`gradient`, NaN exactly when an element of it
-  is not finite; inf when only the squares overflow.
-
-  Each element's square is summed in the weight's dtype, plus the backend's
-  NaN marker (:func:`optax_accum._core._backend.nan_marker`): NaN exactly
-  when ``g`` is not finite, whether the sum, the product or the cast to a
-  float16 leaf overflowed. One pass serves the finite check and the norm.
-  """
+  """The squared norm of :func:`gradient`: NaN exactly when an element is not
+  finite (:func:`~optax_accum._core._backend.nan_marker`), inf when only the
+  squares overflow; one pass serves both the finite check and the norm."""
   dtype = window.acc_weight.dtype
   total = jnp.zeros([], dtype)
   for g in jax.tree.leaves(gradient(window, like, divide)):
@@ -309,10 +266,8 @@ def squares(window: Window, like: Any, divide: bool = True) -> jax.Array:
 
 
 def reset(window: Window, ends: ArrayLike) -> Window:
-  """An empty window where ``ends``, ``window`` elsewhere. A selection, not a
-  product with 0: a NaN never reaches the next window. The noise
-  measurements are left as they are (:func:`~optax_accum._core._noise.closed`
-  ends them)."""
+  """An empty window where ``ends``, ``window`` elsewhere; a selection, so no NaN
+  reaches the next window. Noise measurements are left to ``_noise.closed``."""
 
   def zero(x: jax.Array) -> jax.Array:
     return jnp.where(ends, jnp.zeros_like(x), x)

@@ -1,7 +1,4 @@
-"""The train step: compiled programs, accumulator layouts, the host-side choice.
-
-The wings above import only these names.
-"""
+"""The train step: programs, layouts, host side; the only names others import."""
 
 from optax_accum._step._coupled import CoupledLoss
 from optax_accum._step._train_step import Mode, TrainStep, make_train_step

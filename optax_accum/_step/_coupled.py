@@ -1,10 +1,7 @@
-"""Losses that couple a window's micro-batches (a contrastive loss, a
-mixture-of-experts balance loss), made exact in two passes (Gradient Cache):
-each micro-batch's representations and the window loss's cotangents for them,
-then the scan-mode window of :class:`MultiSteps` on a surrogate loss whose
-gradient is their vector-Jacobian product, as the loss term ``"window"``
-(docs/coupled.md).
-"""
+"""Losses coupling a window's micro-batches (contrastive, MoE balance), exact in
+two passes (Gradient Cache; docs/coupled.md): the representations and the window
+loss's cotangents for them, then a scan-mode window on a surrogate (loss term
+``"window"``) whose gradient is their vector-Jacobian product."""
 
 from __future__ import annotations
 
@@ -58,9 +55,7 @@ class CoupledLoss(NamedTuple):
 
 
 def _on_a_mesh(x: Any) -> bool:
-  """Whether ``x`` is typed on a mesh with ``Explicit`` axes, where a reshape
-  across a split axis must say where its result goes (on ``Auto`` axes XLA
-  decides)."""
+  """Whether ``x`` is on ``Explicit`` mesh axes (a reshape needs ``out_sharding``)."""
   sharding = jax.typeof(x).sharding
   if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
     return False
@@ -68,8 +63,8 @@ def _on_a_mesh(x: Any) -> bool:
 
 
 def _joined(tree: Any) -> Any:
-  """A window's leaves ``(k, rows, ...)`` as one batch ``(k * rows, ...)``; on
-  a mesh gathered, so that the window loss sees every row on every device."""
+  """Leaves ``(k, rows, ...)`` as ``(k * rows, ...)``; on a mesh gathered, so the
+  window loss sees every row."""
 
   def join(x: Any) -> Any:
     shape = (x.shape[0] * x.shape[1], *x.shape[2:])
@@ -81,8 +76,7 @@ def _joined(tree: Any) -> Any:
 def cotangents(
   coupled: CoupledLoss, params: Any, window: Any, keys: Any = None
 ) -> dict[str, Any]:
-  """Pass 1: each micro-batch's representations' cotangent ``dL/dz_i``, and
-  ``L`` and its weight, broadcast along the window's micro-batch axis."""
+  """Pass 1: the cotangents ``dL/dz_i``, and ``L`` and its weight broadcast to ``k``."""
 
   def represent(args: Any) -> Any:
     return coupled.represent(params, *args)
@@ -106,10 +100,9 @@ def cotangents(
 
 
 def surrogate(coupled: CoupledLoss, k: int) -> Callable[..., Any]:
-  """Pass 2's loss of one micro-batch ``{"batch", "cotangent", "loss",
-  "weight"}``: by term, ``"window"`` with value ``L``, weight ``W / k`` and
-  gradient ``k`` times the vector-Jacobian product, so that the window's
-  token-weighted mean of the ``k`` gradients is their sum, ``dL/dparams``."""
+  """Pass 2's loss on ``{"batch", "cotangent", "loss", "weight"}``: term
+  ``"window"`` of value ``L``, weight ``W / k`` and gradient ``k`` times the VJP,
+  so the window's weighted mean of the ``k`` gradients is ``dL/dparams``."""
 
   def loss_fn(params: Any, micro: Any, *key: Any) -> Any:
     z = coupled.represent(params, micro["batch"], *key)
@@ -127,8 +120,7 @@ def surrogate(coupled: CoupledLoss, k: int) -> Callable[..., Any]:
 
 
 def coupled_optimizer(coupled: CoupledLoss, optimizer: MultiSteps) -> MultiSteps:
-  """``optimizer`` with the coupled window's loss terms; ``ValueError`` where
-  it cannot take them."""
+  """``optimizer`` with the coupled loss terms; ``ValueError`` if it cannot."""
   config = optimizer.config
   if config.terms not in (None, coupled.terms):
     raise ValueError(
@@ -166,10 +158,8 @@ def check_coupled(has_aux: bool, axis_name: Any) -> None:
 
 
 class CoupledStep:
-  """A train step on a :class:`CoupledLoss`: pass 1, then the window of a
-  scan-mode train step ``build(loss_fn, optimizer)`` on the surrogate loss, in
-  one program. Streaming, the step holds the window's micro-batches until its
-  last, and the calls before return the state as given."""
+  """A train step on a :class:`CoupledLoss`: pass 1, then a scan-mode step on the
+  surrogate, in one program; streaming, it holds a window's micro-batches."""
 
   def __init__(
     self,
@@ -235,8 +225,7 @@ class CoupledStep:
   def _both_passes(
     self, params: Any, opt_state: Any, batch: Any, rng: Any
   ) -> tuple[Any, Any, Any]:
-    """Pass 1, then the scan-mode step on the surrogate (traced: its window
-    program inlined)."""
+    """Pass 1, then the scan-mode step on the surrogate (traced, so inlined)."""
     k = jax.tree.leaves(batch)[0].shape[0]
     keys = self._keys(opt_state, k, rng)
     window = {"batch": batch, **cotangents(self.coupled, params, batch, keys)}
@@ -265,8 +254,7 @@ class CoupledStep:
     return self._window(params, opt_state, window, rng)
 
   def _window_size(self, opt_state: Any) -> int:
-    """The window's ``k``: the optimizer's constant, else read from the state
-    (one wait for the device a window)."""
+    """The window's ``k``: the constant, else read from the state (a device wait)."""
     config = self._optimizer.config
     if config.constant_k is not None:
       return config.constant_k

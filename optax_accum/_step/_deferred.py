@@ -1,20 +1,11 @@
 """One gradient reduction per window under plain ``jit``, no ``axis_name``.
 
-On an ``Explicit`` mesh (``jax.make_mesh``'s default), with the batch's rows
-split over data axes and params not split over them, the step's programs
-cast params to JAX's ``reduced`` type before the gradient, so JAX leaves
-their gradients ``unreduced``: each device's partial sum. The programs add
-the partial sums without communication and reduce them once, when the window
-ends (:class:`optax_accum._core._reduction.Deferred`); the loss still sees the
-global batch. Between calls the accumulator holds the partial sums as the
-``axis_name`` layout does (:mod:`optax_accum._step._replicas`): a leading axis of
-replicas split over the data axes, so checkpoints look and restore the same.
-
-Which params can be cast is found by tracing the step: JAX 0.10 refuses
-some ops on a ``reduced`` operand (an elementwise op between a param and
-data-split activations: a bias, a norm's scale, a position table added to
-the inputs). Those leaves keep XLA's reduction per micro-batch; biases and
-scales are small, and only leaves of two or more dimensions are tried.
+On an ``Explicit`` mesh whose data axes split the batch's rows but no param, the
+programs cast params to ``reduced``, so gradients stay ``unreduced`` per-device
+partial sums, reduced once a window (``_reduction.Deferred``) and stored as in
+``_replicas`` (same checkpoints); the loss sees the global batch. JAX 0.10 refuses
+some ops on a ``reduced`` operand (a bias or norm scale added to data-split
+activations): such small leaves, found by tracing, keep per-micro-batch reduction.
 """
 
 from __future__ import annotations
@@ -40,9 +31,8 @@ from optax_accum._step._signature import Body, Inputs, Outputs, renamed
 
 @dataclasses.dataclass(frozen=True)
 class DeferredLayout(PerReplicaLayout):
-  """Per-replica partial sums over the ``Explicit`` mesh axes ``axes``, added in
-  the global view; ``leaves``: per params leaf, whether its gradient stays
-  partial until the window ends."""
+  """Per-device partial sums over ``Explicit`` axes ``axes``, added in the global
+  view; ``leaves``: per params leaf, whether its gradient stays partial."""
 
   leaves: tuple[bool, ...] = ()
 
@@ -50,8 +40,7 @@ class DeferredLayout(PerReplicaLayout):
     return bodies.under(Deferred(mesh=self.mesh, over=self.axes, leaves=self.leaves))
 
   def body(self, body: Body, window: bool) -> Body:
-    """``body`` on the accumulator in its stacked layout, adding to each
-    device's partial sum."""
+    """``body`` adding to each device's partial sum of the stacked accumulator."""
 
     def run(inputs: Inputs) -> Outputs:
       out = body(inputs._replace(acc=_relaid(self, inputs.acc, inside=True)))
@@ -64,20 +53,16 @@ class DeferredLayout(PerReplicaLayout):
 
 
 def defers(config: MultiStepsConfig) -> bool:
-  """Whether ``config`` lets a window defer its gradient reduction:
-  ``on_nonfinite="skip_micro_batch"`` checks each micro-batch's whole
-  gradient, and ``noise_scale`` measures it, so they reduce it per
-  micro-batch."""
+  """Whether ``config`` can defer: ``"skip_micro_batch"`` checks and
+  ``noise_scale`` measures each micro-batch's whole gradient."""
   return config.on_nonfinite != "skip_micro_batch" and not config.noise_scale
 
 
 def candidate(
   params: Any, batch: Any, config: MultiStepsConfig, *, scan: bool
 ) -> DeferredLayout | None:
-  """The mesh and data axes of a call that can defer its gradient reduction
-  (before choosing the leaves): the batch's rows split over ``Explicit`` axes
-  that no param is split over (XLA reduce-scatters FSDP's gradients per
-  micro-batch), or ``None``."""
+  """The call's deferred layout, leaves not chosen yet, or ``None``: rows split
+  over ``Explicit`` axes that split no param (FSDP's are reduce-scattered)."""
   if not defers(config):
     return None
   dim = 1 if scan else 0
@@ -109,9 +94,8 @@ def candidate(
 def choose_leaves(
   layout: DeferredLayout, fits: Callable[[DeferredLayout], bool], params: Any
 ) -> DeferredLayout:
-  """``layout`` with the largest set of leaves ``fits`` accepts, tried among
-  leaves of two or more dimensions (with none: every gradient XLA reduces
-  joins the first replica's partial sum)."""
+  """``layout`` deferring the largest set of 2+-D leaves ``fits`` accepts; the
+  others' gradients, reduced by XLA, join the first replica's partial sum."""
   flat = jax.tree.leaves(params)
   wanted = [i for i, p in enumerate(flat) if jnp.ndim(p) >= 2]
 
@@ -123,8 +107,7 @@ def choose_leaves(
 
 
 def _fitting(indices: list[int], fits: Callable[[list[int]], bool]) -> list[int]:
-  """The indices ``fits`` accepts together: halving the group until the
-  leaves that fail are alone (a few traces per failing leaf)."""
+  """The indices ``fits`` accepts together, by halving (few traces per failure)."""
   if not indices or fits(indices):
     return indices
   if len(indices) == 1:
@@ -137,11 +120,9 @@ def _fitting(indices: list[int], fits: Callable[[list[int]], bool]) -> list[int]
 
 
 def _relaid(layout: PerReplicaLayout, acc: Any, inside: bool) -> Any:
-  """The accumulator as the programs add to it (``inside``: each device's
-  partial sum, typed ``unreduced`` over the data axes), or as stored between
-  calls (the partial sums along a leading axis of replicas). No data moves: a
-  ``shard_map`` on each device's own block, unchecked (``unreduced`` to
-  per-device values has no typed cast)."""
+  """The accumulator as programs add to it (``inside``: ``unreduced`` partial
+  sums) or as stored (stacked on a replica axis). No data moves: an unchecked
+  ``shard_map`` (``unreduced`` to per-device values has no typed cast)."""
 
   def relaid(x: jax.Array) -> jax.Array:
     rest = jax.typeof(x).sharding.spec.partitions[1 if inside else 0 :]

@@ -1,11 +1,9 @@
 """Errors that name the cause when a train step is given what it cannot take.
 
-JAX's own message for each of these names none of the step's arguments: a
-buffer an earlier call donated ("Array has been deleted", "Buffer has been
-deleted or donated"), a whole train state passed as ``params`` ("grad requires
-real- or complex-valued inputs ... got int32"), or a checkpoint restored
-without a target (plain dicts where the step's state was). The checks run
-only once a call has failed, so a call that works pays nothing for them.
+JAX's own messages name none of the step's arguments: a buffer an earlier call
+donated ("Array has been deleted"), a whole train state as ``params`` ("grad
+requires real- or complex-valued inputs"), a checkpoint restored without a
+target. The checks run only once a call has failed: a working call pays nothing.
 """
 
 from __future__ import annotations
@@ -24,8 +22,7 @@ _DONATED = ("deleted", "donated")
 
 
 def explained(call: F) -> F:
-  """``call`` (a step's ``__call__``), raising a ``ValueError`` that names the
-  argument, the leaf and the fix where a failure has one of the known causes."""
+  """``call`` (a step's ``__call__``) re-raising known failures as clear errors."""
 
   @functools.wraps(call)
   def checked(
@@ -43,8 +40,7 @@ def explained(call: F) -> F:
 
 
 def check_not_a_train_state(params: Any) -> None:
-  """``ValueError`` if ``params`` is a whole train state (Flax's ``TrainState``
-  or :class:`optax_accum.flax.TrainState`): it holds ``step`` and ``tx``."""
+  """``ValueError`` if ``params`` is a whole train state (Flax's or ours)."""
   if all(hasattr(params, name) for name in ("params", "opt_state", "tx")):
     raise ValueError(
       f"`params` is a {type(params).__name__}, a whole train state (params, "
@@ -71,8 +67,7 @@ def check_not_donated(**trees: Any) -> None:
 
 
 def check_restored(opt_state: Any) -> None:
-  """``ValueError`` if ``opt_state`` is a dict with a :class:`MultiStepsState`'s
-  fields: a checkpoint restored without a target."""
+  """``ValueError`` if ``opt_state`` is a checkpoint restored without a target."""
   fields = set(MultiStepsState._fields) - {"noise_scale"}  # Only when measuring.
   if isinstance(opt_state, dict) and fields <= set(opt_state):
     raise ValueError(

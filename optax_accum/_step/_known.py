@@ -1,7 +1,6 @@
-"""What the host knows about the state a train step returned last, so that a
-streaming call chooses its program without waiting for the device; any other
-state (the first, a restored one, one ``relayout`` or ``_replace`` gave) is
-read from the device and laid out again.
+"""What the host knows of the state a step returned last, so a streaming call
+picks its program without waiting for the device; any other state (the first, a
+restored one, one from ``relayout`` or ``_replace``) is read and laid out again.
 """
 
 from __future__ import annotations
@@ -38,9 +37,7 @@ class Known(NamedTuple):
   acc: Any = None  # The returned state's accumulator node, compared by identity.
 
   def describes(self, state: MultiStepsState) -> bool:
-    """Whether ``state`` is the state returned last: its counters and its
-    accumulator (which ``relayout`` or ``_replace`` give anew) the very
-    objects."""
+    """Whether ``state`` is the one returned last: its very counter and acc objects."""
     return (
       state.mini_step is self.mini_step
       and state.gradient_step is self.gradient_step
@@ -48,8 +45,7 @@ class Known(NamedTuple):
     )
 
   def counts(self, state: MultiStepsState, optimizer: MultiSteps) -> tuple[int, int]:
-    """The window's micro-batches so far and its length, read from ``state``
-    where not known."""
+    """The window's micro-batches so far and length, read from ``state`` if unknown."""
     value = _host_int(state.mini_step) if self.value is None else self.value
     k = self.k if self.k is not None else optimizer.config.constant_k
     if k is None:

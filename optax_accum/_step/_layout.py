@@ -1,8 +1,6 @@
-"""The Layout protocol: one object per accumulator layout, each in its own file
-(:class:`OneSum` here; ``_packed``, ``_replicas``, ``_deferred``), and
-:func:`programs`, the one builder of a layout's programs from the answers of
-:class:`Layout`'s methods (docs/development.md lists the layouts).
-"""
+"""The Layout protocol, one class per accumulator layout (:class:`OneSum` here;
+``_packed``, ``_replicas``, ``_deferred``), and :func:`programs`, which builds
+any layout's programs (docs/development.md lists the layouts)."""
 
 from __future__ import annotations
 
@@ -32,26 +30,18 @@ Mapped = Callable[[Callable[..., Outputs]], Callable[..., Outputs]]
 
 
 class Layout:
-  """An accumulator layout. The defaults are the one-sum layout's: the
-  bodies as they are, no ``shard_map``, the sums passed as they are.
+  """An accumulator layout; the defaults are the one sum's (no ``shard_map``)."""
 
-  Attributes:
-    converts: Whether the program takes the accumulator in another form than
-      it is stored in (:meth:`inside`, :meth:`outside`).
-  """
-
-  converts: ClassVar[bool] = False
+  converts: ClassVar[bool] = False  # Programs take it converted (inside/outside).
 
   def stored(
     self, state: MultiStepsState, params: Any = None, terms: Names = None
   ) -> MultiStepsState:
-    """``state`` with its accumulator (any layout) in this one: exact, but
-    for partial sums of another layout, added up first."""
+    """``state``'s accumulator (any layout) in this one; partial sums added up."""
     return state._replace(acc_grads=_layout.one_sum(state.acc_grads))
 
   def bodies(self, bodies: Bodies) -> Bodies:
-    """The program bodies for this layout: its reduction policy, its
-    gradient layout."""
+    """The bodies for this layout (its reduction policy, its gradient layout)."""
     return bodies
 
   def body(self, body: Body, window: bool) -> Body:
@@ -72,14 +62,12 @@ class Layout:
     return acc
 
   def two_programs(self, bodies: Bodies) -> bool:
-    """Whether a streamed window ends in two programs (accumulate, then
-    ending: :class:`~optax_accum._step._signature.Split`)."""
+    """Whether a streamed window ends in two programs (accumulate, ending)."""
     return False
 
 
 class OneSum(Layout):
-  """The window's sums laid out as the params (one tree per loss term); a
-  streamed window ends in two programs where the default backend says so."""
+  """The window's sums laid out as the params (one tree per loss term)."""
 
   def two_programs(self, bodies: Bodies) -> bool:
     if bodies.config.should_skip_update_fn is not None:
@@ -91,8 +79,7 @@ ONE_SUM = OneSum()
 
 
 class Bound:
-  """A program whose accumulator crosses its boundary as ``layout`` says:
-  called and lowered with the stored accumulator."""
+  """A program called and lowered with the accumulator as ``layout`` stores it."""
 
   def __init__(self, layout: Layout, program: Program):
     self.layout, self.program = layout, program
@@ -109,8 +96,7 @@ class Bound:
 
 
 def programs(layout: Layout, bodies: Bodies, *, scan: bool, donate: bool) -> Pair:
-  """The accumulate and update programs of ``bodies`` for ``layout`` (scan
-  mode: ``update`` is the whole window's program)."""
+  """``bodies``' accumulate and update programs for ``layout`` (scan: the window's)."""
   bodies = layout.bodies(bodies)
 
   def program(body: Body, donates: tuple[str, ...], window: bool = False) -> Any:

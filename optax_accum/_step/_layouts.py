@@ -46,11 +46,8 @@ class Layouts:
   def arranged(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any = None
   ) -> tuple[Any, MultiStepsState, Layout]:
-    """Params and ``opt_state`` as this call runs with them (placed as the
-    programs return them), the accumulator in this call's layout, and that
-    layout: traced or on no mesh, the state's own (traced per-replica partial
-    sums are added up here, then :meth:`restacked`); on a mesh, per-replica
-    partial sums where ``axis_name`` or ``Explicit`` data axes allow."""
+    """Params, ``opt_state`` in the call's layout, and that layout: if traced or on
+    no mesh the state's own (see :meth:`restacked`), else per-replica where it can."""
     acc = opt_state.acc_grads
     traced = is_traced(params, opt_state, batch)
     mesh = None if traced else mesh_of(params, batch)
@@ -80,11 +77,8 @@ class Layouts:
     return self._deferred_layout(params, opt_state, batch, rng)
 
   def init_layout(self, params: Any) -> Layout:
-    """The layout ``step.init(params)`` gives, from params and the step's
-    settings alone. On a mesh, per-replica partial sums: with ``axis_name``,
-    over its axes; without, on an ``Explicit`` mesh, over the ``Explicit``
-    axes no param is split over (if they hold more than one replica). On one
-    device, packed where :func:`optax_accum._core._layout.packing_for` packs."""
+    """``step.init``'s layout: on a mesh, partial sums over ``axis_name`` or else the
+    ``Explicit`` axes no param is split over; else packed where ``packing_for`` says."""
     mesh = mesh_of(params)
     layout = None if mesh is None else self._init_per_replica(params, mesh)
     return layout or self._packed_for(params) or ONE_SUM
@@ -106,16 +100,14 @@ class Layouts:
     return DeferredLayout(mesh, axes, (False,) * len(jax.tree.leaves(params)))
 
   def on_one_sum(self, params: Any, inner: Any, batch: Any) -> bool:
-    """Whether a call starting an empty window runs on one sum, unpacked:
-    traced, or on no mesh. (A state without sums has nothing to pack.)"""
+    """Whether an empty-window call runs on one unpacked sum: traced or no mesh."""
     if is_traced(params, inner, batch):
       return True
     return mesh_of(params, batch) is None and not self._replica_axes
 
   def restacked(self, given: Any, opt_state: MultiStepsState) -> MultiStepsState:
-    """Traced: ``opt_state``'s one sum as the first replica's partial sum,
-    stacked as ``given`` (a :class:`PerReplica` accumulator the call was
-    given), so a ``scan`` carry keeps its type; else ``opt_state``."""
+    """Traced: ``opt_state``'s one sum as replica 0's partial sum, stacked as
+    ``given``, so a ``scan`` carry keeps its type; else ``opt_state``."""
     if not isinstance(given, PerReplica) or isinstance(opt_state.acc_grads, PerReplica):
       return opt_state
     n = _layout.replicas(given)
@@ -136,8 +128,7 @@ class Layouts:
     return _checks.axes(self.bodies.config.axis_name)
 
   def _packed_for(self, params: Any) -> PackedLayout | None:
-    """The packed layout the step keeps on one device (see
-    :func:`optax_accum._core._layout.packing_for`), once per shapes."""
+    """The packed layout for ``params`` on one device, or ``None``; per shapes."""
     key = avals(params)
     if key not in self._packed:
       optimizer = self.bodies.optimizer
@@ -148,8 +139,7 @@ class Layouts:
     return self._packed[key]
 
   def _packed_layout(self, packing: _layout.Packing) -> PackedLayout:
-    """The layout of a packed state: on the platform its packing was planned
-    for by :meth:`_packed_for`, else the default backend."""
+    """A packed state's layout, on the platform :meth:`_packed_for` planned it for."""
     for layout in self._packed.values():
       if layout is not None and layout.packing == packing:
         return layout
@@ -158,9 +148,7 @@ class Layouts:
   def _deferred_layout(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
   ) -> DeferredLayout | None:
-    """The layout that reduces gradients once per window without
-    ``axis_name`` (:mod:`optax_accum._step._deferred`), if this call allows one;
-    chosen once per shapes and shardings of the arguments."""
+    """The deferred layout this call allows, or ``None``; chosen once per avals."""
     config = self.bodies.config
     layout = _deferred.candidate(params, batch, config, scan=self.scan)
     if layout is None:

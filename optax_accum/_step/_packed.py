@@ -1,16 +1,8 @@
 """The packed layout (:class:`optax_accum._core._layout.Packed`): small leaves'
-sums in shared buffers, on one device.
-
-Every buffer a program takes or returns costs the host time on every call,
-whatever its size, and XLA:CPU runs a kernel per leaf for each small add. On a
-model of many small leaves (an unscanned transformer's norms and biases, or
-hundreds of small layers) ``step.init(params)`` packs the sums
-(:func:`optax_accum._core._layout.packing_for`), and the step passes one
-buffer per group of small leaves of one dtype. Inside the programs
-(:class:`PackedBodies`) each micro-batch's gradients are packed alike and
-added to a group in one pass; the optimizer gets the sums cut back into
-leaves. The arithmetic is the same element by element, so every result is
-bit-identical to the one-sum layout's.
+sums in shared buffers, on one device. Each buffer a program passes costs host
+time per call, and XLA:CPU runs a kernel per leaf for each small add; so with
+many small leaves ``step.init`` packs the sums, one buffer per dtype group, and
+each micro-batch's gradient is packed alike. Same arithmetic: bit-identical.
 """
 
 from __future__ import annotations
@@ -28,8 +20,7 @@ from optax_accum._step._programs import Bodies
 
 @dataclasses.dataclass(frozen=True)
 class PackedLayout(Layout):
-  """Sums packed as ``packing`` says; ``platform``: where the params live
-  (its backend says whether a streamed window ends in two programs)."""
+  """Sums packed by ``packing``; ``platform``'s backend decides ``two_programs``."""
 
   packing: Packing
   platform: str
@@ -58,8 +49,7 @@ class PackedLayout(Layout):
 
 
 class PackedBodies(Bodies):
-  """The train step's bodies with the accumulator packed inside the program
-  (one concatenation per group for each micro-batch's gradient)."""
+  """Bodies that pack each micro-batch's gradient (a concatenation per group)."""
 
   def __init__(self, bodies: Bodies, packing: Packing):
     super().__init__(bodies.loss_fn, bodies.optimizer, bodies.has_aux, bodies.reduction)

@@ -47,9 +47,7 @@ def metrics(
   norm: Any,
   lr: Any,
 ) -> Metrics:
-  """The step's metrics from the window so far (``added``) and the new state;
-  with loss terms, each term's mean loss and weight under ``"terms"``. The
-  sums are not read (they may be in any layout)."""
+  """The step's metrics (per term under ``"terms"``); never reads the sums."""
   names = config.terms
   no_sums = None if names is None else (None,) * len(names)
   window = ms.window_of(config, added._replace(acc_grads=no_sums))
@@ -73,11 +71,8 @@ def metrics(
 
 
 class Bodies:
-  """The in-graph bodies of a train step, for one reduction policy.
-
-  With ``reduction.at_window_end`` the accumulator is this replica's partial
-  sum, and stays one; otherwise it is the window's sum.
-  """
+  """A train step's in-graph bodies under one reduction policy (with
+  ``at_window_end``, the accumulator is this replica's partial sum)."""
 
   def __init__(
     self,
@@ -121,14 +116,9 @@ class Bodies:
     return grads, value, weight, aux
 
   def _term_grads(self, params: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Each loss term's gradient, value and weight (tuples in the terms' order).
-
-    One backward pass per term, from that term alone. Pulling all terms back
-    at once, with a cotangent of 0 for the others, would turn one term's NaN
-    or inf (a mean over no tokens, 0/0, at weight 0) into NaN in every term's
-    gradient (0 * NaN). The forward passes are the same ops on the same
-    inputs, and XLA computes them once.
-    """
+    """Each term's gradient, value and weight (tuples, in order), a backward pass
+    per term: one pass with cotangent 0 for the others would turn a term's NaN
+    (0/0 at weight 0) into NaN everywhere (0 * NaN). XLA runs the forward once."""
     names = self.config.terms or ()
 
     def term(i: int) -> Callable[[Any], tuple[Any, Any]]:
@@ -197,8 +187,8 @@ class Bodies:
     rng: Any,
     reduction: Any = None,
   ) -> tuple[MultiStepsState, jax.Array, Any]:
-    """One micro-batch added (under ``reduction``, by default the step's);
-    whether it counted, and its aux."""
+    """A micro-batch added (by default under the step's ``reduction``); whether it
+    counted, and its aux."""
     grads, value, weight, aux = self._grads(
       params, batch, rng, state.micro_batches_seen
     )
@@ -243,9 +233,8 @@ class Bodies:
     return self._ended(added, counted, inputs.end_window, params)._replace(aux=aux)
 
   def ending(self, inputs: Inputs) -> Outputs:
-    """:meth:`update`'s second half, after :meth:`accumulate` added the
-    micro-batch (the batch is not read). Only where every micro-batch counts:
-    it does not ask ``should_skip_update_fn``."""
+    """:meth:`update`'s second half, after :meth:`accumulate`; only where every
+    micro-batch counts (it skips ``should_skip_update_fn``)."""
     added = joined(inputs.counters, inputs.inner, inputs.acc)
     return self._ended(added, jnp.array(True), inputs.end_window, inputs.params)
 
@@ -264,15 +253,10 @@ class Bodies:
     return Outputs(params, inner, added.acc_grads, counters_, out, None)
 
   def scan(self, inputs: Inputs) -> Outputs:
-    """A whole window, its micro-batches along the batch's leading axis.
-
-    With replicas each sums its own micro-batches inside the loop, and the
-    partial sums are added up once after it. A streamed part of the window
-    that ``acc`` holds already summed joins after that reduction. ``acc``
-    ``None``: the window is empty (``mini_step`` 0), and the sums are neither
-    read nor returned (``None`` in their place): each of their buffers costs
-    the host time on every call.
-    """
+    """A whole window, micro-batches along the batch's leading axis. Replicas sum
+    their own, reduced once after the loop; a streamed part in ``acc`` joins then.
+    ``acc`` ``None``: an empty window, its sums neither read nor returned (each
+    buffer costs host time per call)."""
     params, acc, batch = inputs.params, inputs.acc, inputs.batch
     _check_leading_axis(batch, self.config)
     axes, partial = self.reduction.axes, self.reduction.at_window_end
@@ -304,11 +288,7 @@ class Bodies:
     return Outputs(params, inner, sums, counters_, out, auxs)
 
   def _end(self, added: MultiStepsState, ends: Any, params: Any) -> tuple[Any, ...]:
-    """Ends the window of ``added`` (its sums one sum) if ``ends``, updating
-    params in place (:func:`optax_accum._core._ending.end`).
-
-    Returns params, the inner state, the counters and the metrics.
-    """
+    """Ends the window if ``ends``: params (in place), inner, counters, metrics."""
     loss = self.optimizer.window_loss(added)
     done = _ending.end(
       self.config,
@@ -329,10 +309,9 @@ class Bodies:
 
 
 def _check_leading_axis(batch: Any, config: MultiStepsConfig) -> None:
-  """Raises ``ValueError`` unless every batch leaf has the same leading axis,
-  and where it looks like a batch not yet split into ``k`` micro-batches: a
-  multiple of an int ``every_k_schedule`` above 1, beyond it. (Other sizes set
-  the window, as documented; 1 is also a plain optax optimizer's step's.)"""
+  """``ValueError`` unless batch leaves share one leading axis, or where its size
+  is a multiple of an int ``every_k_schedule`` ``k > 1`` beyond ``k`` itself:
+  likely a batch not split into micro-batches yet (other sizes set the window)."""
   sizes = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
   if len(sizes) != 1 or None in sizes or 0 in sizes:
     raise ValueError(

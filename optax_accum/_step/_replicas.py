@@ -1,13 +1,9 @@
 """Per-replica accumulators: one gradient reduction per window under plain jit.
 
-With ``make_train_step(..., axis_name="data")`` called under plain ``jit`` on a
-batch sharded over mesh axis ``"data"``, the step runs its programs in a
-``shard_map`` over that axis: each replica adds its own rows' weighted
-gradient to its own partial sum, and the partial sums are added up once, when
-the window ends. Between calls the state's accumulator is a
-:class:`~optax_accum._core._layout.PerReplica` of the partial sums, with a
-leading axis of replicas sharded over the data axis: every device keeps one
-params-sized sum, as a replicated accumulator would.
+With ``axis_name`` under plain ``jit`` on a batch split over it, the programs run
+in a ``shard_map``: each replica adds its rows' gradient to its own partial sum,
+reduced once when the window ends. Between calls a ``PerReplica`` holds the sums
+on a leading replica axis split over the data axes: one params-sized sum a device.
 """
 
 from __future__ import annotations
@@ -34,8 +30,7 @@ from optax_accum._step._signature import Body, Inputs, Outputs, renamed
 
 @dataclasses.dataclass(frozen=True)
 class PerReplicaLayout(Layout):
-  """Per-replica partial sums over the mesh axes ``axes`` (``axis_name``'s),
-  added in a ``shard_map`` over them; stored as a :class:`PerReplica`."""
+  """Partial sums over ``axes``, added in a ``shard_map``; stored as ``PerReplica``."""
 
   mesh: jax.sharding.Mesh
   axes: tuple[str, ...]
@@ -57,10 +52,8 @@ class PerReplicaLayout(Layout):
     return state._replace(acc_grads=_layout.converted(acc, target))
 
   def like(self, sums: Any, params: Any, terms: Names = None) -> PerReplica:
-    """Shapes of the sums ``sums`` (one sum per term) as this layout stores
-    them: a leading axis of replicas split over the data axes, each partial
-    sum split like its param over the other mesh axes (``Explicit`` ones
-    included)."""
+    """Shapes of ``sums`` (one per term) as stored: a leading replica axis split
+    over the data axes, each partial sum split like its param on other axes."""
 
     def stacked(a: Any, p: Any) -> jax.ShapeDtypeStruct:
       rest = _spec_on(self.mesh, p) or (None,) * jnp.ndim(p)
@@ -85,8 +78,7 @@ class PerReplicaLayout(Layout):
     return renamed(run, body)
 
   def mapped(self, window: bool) -> Mapped | None:
-    """The accumulator's leading axis, the batch's rows and ``aux`` split over
-    the data axes; everything else replicated."""
+    """A ``shard_map`` splitting the accumulator, rows and ``aux`` over ``axes``."""
     rows = P(None, *self.spec()) if window else self.spec()
     split, whole = self.spec(), P()
     inputs = Inputs(whole, whole, split, whole, rows, whole, whole)
@@ -113,12 +105,8 @@ class PerReplicaLayout(Layout):
 def data_layout(
   axis_name: AxisName, params: Any, batch: Any, *, scan: bool
 ) -> PerReplicaLayout:
-  """Where ``batch`` is split over ``axis_name``; checks params are not.
-
-  Raises:
-    ValueError: if a batch leaf is not split over exactly ``axis_name`` along
-      its rows, or a params leaf is split over it.
-  """
+  """The layout of ``batch`` split over ``axis_name``; ``ValueError`` unless each
+  batch leaf's rows are split over exactly it and no params leaf is."""
   axes = _axes(axis_name)
   dim = 1 if scan else 0
   meshes = set()
@@ -161,8 +149,7 @@ def split_over(param: Any) -> tuple[str, ...]:
 
 
 def _spec_on(mesh: jax.sharding.Mesh, x: Any) -> tuple[Any, ...]:
-  """``x``'s partition spec, one entry per axis, if it is an array with a
-  ``NamedSharding`` on ``mesh``; else ``()``."""
+  """``x``'s spec, an entry per dim, if it has a ``NamedSharding`` on ``mesh``."""
   sharding = getattr(x, "sharding", None)
   if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
     return tuple(sharding.spec) + (None,) * (jnp.ndim(x) - len(sharding.spec))
@@ -181,12 +168,9 @@ def mesh_of(*trees: Any) -> jax.sharding.Mesh | None:
 
 
 def as_returned(tree: Any, mesh: jax.sharding.Mesh) -> Any:
-  """``tree`` placed as the step's programs return it, so that the next call
-  finds the programs compiled: each spec spelled out to the array's rank
-  (``P()`` comes back as ``P(None, None)``: the same sharding, but another
-  key to ``jit``'s cache), without copying; an array on no mesh (counters
-  from ``opt.init``) replicated on ``mesh``.
-  """
+  """``tree`` placed as the programs return it, so the next call hits ``jit``'s
+  cache: specs spelled out to full rank without copying (``P()`` returns as
+  ``P(None, None)``, another cache key); arrays on no mesh replicated."""
 
   def place(x: Any) -> Any:
     if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):

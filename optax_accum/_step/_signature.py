@@ -1,9 +1,6 @@
-"""The one signature of a train step's programs: what each takes and returns.
-
-Every program (accumulate, update, scan, ending) and every layout of the
-accumulator (one sum, packed, per replica, deferred) maps :class:`Inputs` to
-:class:`Outputs`; a layout changes fields (``acc``, ``aux``), never positions.
-"""
+"""The one signature of a train step's programs: every program (accumulate,
+update, scan, ending) in every accumulator layout maps :class:`Inputs` to
+:class:`Outputs`; a layout changes fields (``acc``, ``aux``), never positions."""
 
 from __future__ import annotations
 
@@ -16,33 +13,20 @@ from optax_accum._core._backend import compiler_options
 
 
 class Inputs(NamedTuple):
-  """A program's inputs (or anything laid out like them: their specs).
-
-  Attributes:
-    params: The params.
-    inner: The inner optimizer's state (``None`` for the accumulate program,
-      which never reads it).
-    acc: The window's sums, in the call's layout.
-    counters: The ``MultiStepsState`` without its params-sized parts (see
-      :func:`~optax_accum._step._programs.counters`); never donated.
-    batch: The micro-batch (scan mode: the window's micro-batches).
-    rng: The run's key, or ``None``.
-    end_window: Whether the caller ends the window (streaming update only).
-  """
+  """A program's inputs (or anything laid out like them: their specs)."""
 
   params: Any
-  inner: Any
-  acc: Any
-  counters: Any
-  batch: Any
-  rng: Any
-  end_window: Any = None
+  inner: Any  # The inner optimizer's state; ``None`` for accumulate.
+  acc: Any  # The window's sums, in the call's layout.
+  counters: Any  # The state without params-sized parts; never donated.
+  batch: Any  # The micro-batch (scan mode: the window's).
+  rng: Any  # The run's key, or ``None``.
+  end_window: Any = None  # Whether the caller ends the window (streaming update).
 
 
 class Outputs(NamedTuple):
-  """A program's outputs: ``params`` and ``inner`` are ``None`` from the
-  accumulate program, which returns neither; ``metrics`` are the step's (the
-  accumulate program's: ``loss`` and ``grad_norm``), without ``aux``."""
+  """A program's outputs, ``metrics`` without ``aux``; accumulate's have ``None``
+  params and inner, and only ``loss`` and ``grad_norm`` as metrics."""
 
   params: Any
   inner: Any
@@ -54,18 +38,15 @@ class Outputs(NamedTuple):
 
 Body = Callable[[Inputs], Outputs]
 
-#: The fields each program donates: params and the inner state are updated in
-#: place by the programs that return them; the accumulator by both.
+#: The fields each program donates: those it returns, updated in place.
 ACCUMULATE_DONATES = ("acc",)
 UPDATE_DONATES = ("params", "inner", "acc")
 
 
 class Program:
-  """``body`` jitted, its inputs passed field by field so that ``donates``
-  (field names) can be donated; ``mapped`` wraps the flat function first
-  (a ``shard_map``). Built in a ``compiled_with`` block, it compiles with
-  those XLA options when called from Python (JAX takes them on a top-level
-  ``jit`` only: traced in another, it is that program's part)."""
+  """``body`` jitted field by field, so ``donates`` can be donated; ``mapped``
+  wraps it first. Built in ``compiled_with``, it compiles with those XLA
+  options when called from Python (JAX honours them on a top-level jit only)."""
 
   def __init__(
     self,
@@ -99,37 +80,29 @@ class Program:
 
 
 def _traced(inputs: Inputs) -> bool:
-  """Whether a call is traced in another program: its counters, first param
-  or first batch leaf is a tracer (no walk over every leaf)."""
+  """Whether a call is traced: a tracer among counters, first param, first batch."""
   firsts = [jax.tree.leaves(tree)[:1] for tree in (inputs.params, inputs.batch)]
   probe = [*jax.tree.leaves(inputs.counters), *firsts[0], *firsts[1]]
   return any(isinstance(x, jax.core.Tracer) for x in probe)
 
 
 def renamed(wrapper: Body, body: Body) -> Body:
-  """``wrapper`` named as ``body`` (through the layouts' wrappers), whose
-  program it builds."""
+  """``wrapper`` named as ``body``, whose program it builds."""
   wrapper.__name__ = wrapper.__qualname__ = getattr(body, "__name__", "program")
   return wrapper
 
 
 class Pair(NamedTuple):
-  """A layout's two programs: ``accumulate`` for a micro-step that cannot end
-  the window, ``update`` for one that can (scan mode: the whole window)."""
+  """A layout's ``accumulate`` and ``update`` (may end the window) programs."""
 
   accumulate: Any
   update: Any
 
 
 class Split:
-  """The update program run as two: ``accumulate`` adds the micro-batch,
-  ``ending`` ends the window (the backend's ``two_programs``: on XLA:CPU,
-  where a dispatch weighs as much as the work, faster than one program, and
-  the micro-batch's gradient is compiled once, in ``accumulate``, where one
-  program would compile it again). ``merged`` (the update body as one
-  program) is what :meth:`lower` gives for XLA's analyses: its peak memory
-  bounds each of the two's.
-  """
+  """The update program run as ``accumulate`` then ``ending``: on XLA:CPU, where
+  a dispatch costs as much as the work, faster, and the gradient compiles once.
+  :meth:`lower` gives ``merged`` (one program), whose peak bounds each's."""
 
   def __init__(self, accumulate: Any, ending: Any, merged: Any):
     self.accumulate, self.ending, self.merged = accumulate, ending, merged

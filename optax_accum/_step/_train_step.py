@@ -37,12 +37,8 @@ StepOutput = tuple[optax.Params, MultiStepsState, Metrics]
 
 
 def _unaliased(donated: Any, kept: Any) -> Any:
-  """``donated`` with every array that is used twice replaced by a copy.
-
-  A buffer cannot be donated twice in one call, nor donated and also read as
-  a plain argument (``kept``); a hand-built optimizer state or batch can hold
-  one array in two places.
-  """
+  """``donated`` with each array used twice (there or in ``kept``) copied: a
+  buffer cannot be donated twice, nor donated and read; hand-built states alias."""
   seen = {id(x) for x in jax.tree.leaves(kept) if isinstance(x, jax.Array)}
 
   def fresh(x: Any) -> Any:
@@ -167,9 +163,8 @@ class TrainStep:
   def _scanned(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
   ) -> StepOutput:
-    """Scan mode on a ``MultiStepsState``: as when streaming, a state the step
-    returned last runs in its layout, unchecked (its buffers are the
-    programs' own); any other is arranged first."""
+    """Scan mode on a ``MultiStepsState``: the state returned last runs in its
+    layout unchecked (its buffers are the programs'); others are arranged."""
     given = opt_state.acc_grads
     known, params, opt_state, _ = self._recalled(params, opt_state, batch, rng)
     fresh = params is known.params  # Returned by the last call.
@@ -184,20 +179,16 @@ class TrainStep:
   def _own_window(
     self, params: Any, inner: Any, batch: Any, rng: Any
   ) -> tuple[Any, MultiStepsState, Layout]:
-    """The inner optimizer's own state in an empty window, arranged, and its
-    layout. Where the call runs on one sum the window's sums live only inside
-    the program (``Bodies.scan``): the state has ``None`` for them."""
+    """The inner state in an empty window, arranged, and its layout; on one sum
+    the state's sums are ``None`` (they live only inside ``Bodies.scan``)."""
     if self._layouts.on_one_sum(params, inner, batch):
       return params, self._around(params, inner, sums=False), ONE_SUM
     state = self._around(params, inner, sums=True)
     return self._layouts.arranged(params, state, batch, rng)
 
   def _around(self, params: Any, inner: Any, sums: bool) -> MultiStepsState:
-    """The inner optimizer's own state (``tx.init(params)``) in an empty window,
-    with its sums (zeros) or ``None`` for them.
-
-    In scan mode every call is a whole window: nothing else needs to persist.
-    """
+    """The inner state (``tx.init(params)``) in an empty window, sums zeros or
+    ``None``: in scan mode every call is a whole window, nothing else persists."""
     key = avals(params)
     if key not in self._empty:
       inner_shapes = jax.eval_shape(self.optimizer.inner_opt.init, params)
@@ -218,9 +209,8 @@ class TrainStep:
   def _recalled(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
   ) -> tuple[Known, Any, MultiStepsState, bool]:
-    """What the host knows of ``opt_state`` (read from the device where not),
-    params and the state as this call runs with them, and whether the step
-    returned the state last."""
+    """What the host knows of ``opt_state`` (read where not), params and state
+    as this call runs them, and whether the step returned the state last."""
     known = self._known
     hit = known is not None and known.describes(opt_state)
     if known is None or not hit:
@@ -231,8 +221,7 @@ class TrainStep:
     return known, params, opt_state, hit
 
   def _remember(self, known: Known, out: StepOutput, ends: bool) -> None:
-    """Keeps what the host knows of the state this call returns (``known``:
-    of the state it was called with, its counts filled in)."""
+    """Keeps what the host knows of the returned state (``known``: the given's)."""
     params, opt_state, metrics_ = out
     config = self.optimizer.config
     value = 0 if ends else (known.value or 0) + 1
