@@ -168,6 +168,21 @@ def unpack(acc: Packed) -> Any:
   return _unpack(acc)
 
 
+def packed_zeros(acc: Any, packing: Packing) -> Packed:
+  """An empty window's sums ``acc`` (arrays of zeros) packed without compiling a
+  program: zeros made on the host and put where ``acc``'s leaves are."""
+  leaves = jax.tree.leaves(acc)
+  if not all(isinstance(x, jax.Array) and not _traced(x) for x in leaves):
+    return pack(acc, packing)
+
+  def zeros(group: tuple[int, ...]) -> jax.Array:
+    like = leaves[group[0]]
+    return jax.device_put(np.zeros(packing.size(group), like.dtype), like.sharding)
+
+  groups = tuple(zeros(group) for group in packing.groups)
+  return Packed(groups, tuple(leaves[i] for i in packing.rest), packing)
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _pack(acc: Any, packing: Packing) -> Packed:
   return Packed(*packed(acc, packing), packing)

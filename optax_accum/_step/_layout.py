@@ -40,6 +40,12 @@ class Layout:
     """``state``'s accumulator (any layout) in this one; partial sums added up."""
     return state._replace(acc_grads=_layout.one_sum(state.acc_grads))
 
+  def empty(
+    self, state: MultiStepsState, params: Any = None, terms: Names = None
+  ) -> MultiStepsState:
+    """``opt.init``'s state (an empty window) in this layout."""
+    return self.stored(state, params, terms)
+
   def bodies(self, bodies: Bodies) -> Bodies:
     """The bodies for this layout (its reduction policy, its gradient layout)."""
     return bodies

@@ -34,6 +34,11 @@ class PackedLayout(Layout):
       return state
     return state._replace(acc_grads=_layout.pack(_layout.one_sum(acc), self.packing))
 
+  def empty(
+    self, state: MultiStepsState, params: Any = None, terms: Names = None
+  ) -> MultiStepsState:
+    return state._replace(acc_grads=_layout.packed_zeros(state.acc_grads, self.packing))
+
   def bodies(self, bodies: Bodies) -> Bodies:
     return PackedBodies(bodies, self.packing)
 

@@ -249,7 +249,7 @@ class TrainStep:
     layout = self._layouts.init_layout(params)
     if isinstance(layout, PerReplicaLayout):
       _, state = as_returned((params, state), layout.mesh)
-    return self._layouts.stored(state, layout, params)
+    return layout.empty(state, params, self.optimizer.config.terms)
 
   def lower(
     self,
