@@ -7,6 +7,8 @@ the one-sum layout's, on the benchmark models, through a naive orbax restore
 and into every path that does not pack.
 """
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -211,13 +213,16 @@ def test_a_model_of_many_small_leaves_is_packed_by_default(program, monkeypatch)
   assert one_sum[3] < packed[3] <= one_sum[3] + scratch
 
 
-def test_step_init_packs_zeros_without_a_program(monkeypatch):
-  """``step.init``'s packed sums are ``pack(opt.init(params))``'s, bit for bit
-  and on the params' device, made without compiling a program (a first window
+@pytest.mark.parametrize("committed", [False, True])
+def test_step_init_packs_zeros_without_a_program(committed, monkeypatch, caplog):
+  """``step.init``'s packed sums are ``pack(opt.init(params))``'s, bit for bit,
+  placed alike (committed to the params' device or not: else the first call's
+  program compiles twice), made without compiling a program (a first window
   on 176 leaves compiled one for 0.2 s)."""
   _min_leaves(monkeypatch, 2)
   model = accumulation.many_leaves(20, 8, 2)
-  params = jax.device_put(model["params"], jax.devices()[-1])
+  device = jax.devices()[-1] if committed else jax.devices()[0]
+  params = jax.device_put(model["params"], device if committed else None)
   opt = optax_accum.MultiSteps(optax.adamw(1e-3), K)
   step = optax_accum.make_train_step(model["loss_fn"], opt)
   opt.init(params)  # Whatever opt.init compiles, it compiles here.
@@ -235,12 +240,21 @@ def test_step_init_packs_zeros_without_a_program(monkeypatch):
   assert compiled == []
   want = _layout.pack(opt.init(params).acc_grads, state.acc_grads.packing)
   assert _bitwise_equal(state.acc_grads, want)
-  placed = {d for x in jax.tree.leaves(state.acc_grads) for d in x.devices()}
-  assert placed == {jax.devices()[-1]}
+  placed = {(x.committed, *x.devices()) for x in jax.tree.leaves(state.acc_grads)}
+  assert placed == {(committed, device)}
   abstract = jax.eval_shape(step.init, params).acc_grads
   assert jax.tree.map(lambda x: (x.shape, x.dtype), abstract) == jax.tree.map(
     lambda x: (x.shape, x.dtype), state.acc_grads
   )
+  with caplog.at_level("WARNING"), jax.log_compiles(True):
+    for _ in range(2 * K):  # Two windows: each program compiles once.
+      params, state, _ = step(params, state, model["batch"](model["rows"]))
+  compiled = collections.Counter(
+    record.getMessage().split("jit(")[1].split(")")[0]
+    for record in caplog.records
+    if record.getMessage().startswith("Compiling jit(")
+  )
+  assert compiled["accumulate"] == 1 and set(compiled.values()) == {1}, compiled
 
 
 def test_plan_groups_small_leaves_by_dtype_and_size():

@@ -141,6 +141,50 @@ def test_streaming_compiles_at_most_two_programs():
   assert len(traces) == (1 if two else 2)
 
 
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+@pytest.mark.parametrize("placed", ["params on the last device", "batch on device 0"])
+def test_each_program_compiles_once_with_committed_arrays(mode, placed, caplog):
+  """Params or a batch committed to a device (``jax.device_put(x, device)``)
+  commit what the programs return: the first call's uncommitted state (from
+  ``step.init``, ``opt.init`` or, in scan mode, the inner optimizer's) is
+  committed alike, or every program compiles again on the second call."""
+  from benchmarks.accumulation import many_leaves  # 20 leaves: step.init packs.
+
+  model = many_leaves(20, 8, 2)
+  opt = optax_accum.MultiSteps(optax.adamw(1e-3), 4)
+  inits = {"step.init": None, "opt.init": opt.init}
+  if mode == "scan":
+    inits["inner"] = opt.inner_opt.init
+  device = jax.devices()[-1] if placed.startswith("params") else jax.devices()[0]
+  for name, init in inits.items():
+
+    def loss_fn(params, batch):  # Its own programs, for each init.
+      return model["loss_fn"](params, batch)
+
+    step = optax_accum.make_train_step(loss_fn, opt, mode=mode)
+    params = jax.tree.map(jnp.copy, model["params"])
+    if placed.startswith("params"):
+      params = jax.device_put(params, device)
+    state = (init or step.init)(params)
+    caplog.clear()
+    with caplog.at_level("WARNING"), jax.log_compiles(True):
+      for _ in range(8 if mode == "stream" else 2):
+        rows = model["batch"](model["rows"] * (4 if mode == "scan" else 1))
+        batch = split_micro_batches(rows, 4) if mode == "scan" else rows
+        if placed.startswith("batch"):
+          batch = jax.device_put(batch, device)
+        params, state, _ = step(params, state, batch)
+    compiled = [
+      r.getMessage().split("jit(")[1].split(")")[0]
+      for r in caplog.records
+      if r.getMessage().startswith("Compiling jit(")
+    ]
+    programs = [p for p in compiled if p in ("accumulate", "ending", "update", "scan")]
+    assert programs and len(programs) == len(set(programs)), (name, compiled)
+    placed_on = {d for x in jax.tree.leaves((params, state)) for d in x.devices()}
+    assert placed_on == {device}
+
+
 def test_works_traced_inside_the_callers_own_scan():
   k = 4
   params0 = toy_lm.init_params(seed=0)

@@ -170,14 +170,16 @@ def unpack(acc: Packed) -> Any:
 
 def packed_zeros(acc: Any, packing: Packing) -> Packed:
   """An empty window's sums ``acc`` (arrays of zeros) packed without compiling a
-  program: zeros made on the host and put where ``acc``'s leaves are."""
+  program: zeros made on the host and put as ``acc``'s leaves are, committed to
+  their device or not (else the first call's program would compile twice)."""
   leaves = jax.tree.leaves(acc)
   if not all(isinstance(x, jax.Array) and not _traced(x) for x in leaves):
     return pack(acc, packing)
 
   def zeros(group: tuple[int, ...]) -> jax.Array:
     like = leaves[group[0]]
-    return jax.device_put(np.zeros(packing.size(group), like.dtype), like.sharding)
+    host = np.zeros(packing.size(group), like.dtype)
+    return jax.device_put(host, like.sharding if like.committed else None)
 
   groups = tuple(zeros(group) for group in packing.groups)
   return Packed(groups, tuple(leaves[i] for i in packing.rest), packing)

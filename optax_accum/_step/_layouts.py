@@ -55,7 +55,10 @@ class Layouts:
       own: Layout = (
         self._packed_layout(acc.packing) if isinstance(acc, Packed) else ONE_SUM
       )
-      return params, self.stored(opt_state, own), own
+      opt_state = self.stored(opt_state, own)
+      if traced:
+        return params, opt_state, own
+      return (*committed((params, opt_state), (params, batch)), own)
     if mesh is not None:
       params, opt_state = as_returned((params, opt_state), mesh)
     layout = self._data_layout(params, opt_state, batch, rng) or ONE_SUM
@@ -177,6 +180,23 @@ class Layouts:
       built = programs(layout, self.bodies, scan=self.scan, donate=self.donate)
       self._built[layout] = built
     return self._built[layout]
+
+
+def committed(tree: Any, inputs: Any) -> Any:
+  """``tree``'s arrays committed to the one device of ``inputs``' first committed
+  array (``jax.device_put(params, device)``), as the programs return them: else
+  each program compiles again for what the first call returns. Nothing is copied."""
+  arrays = (x for x in jax.tree.leaves(inputs) if isinstance(x, jax.Array))
+  first = next((x for x in arrays if x.committed), None)
+  if first is None or len(first.devices()) != 1:
+    return tree
+
+  def commit(x: Any) -> Any:
+    if isinstance(x, jax.Array) and not x.committed:
+      return jax.device_put(x, first.sharding)
+    return x
+
+  return jax.tree.map(commit, tree)
 
 
 def avals(tree: Any) -> tuple[Any, ...]:

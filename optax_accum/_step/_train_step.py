@@ -20,7 +20,7 @@ from optax_accum._step._coupled import CoupledLoss, CoupledStep, check_coupled
 from optax_accum._step._explained import check_restored, check_state, explained
 from optax_accum._step._known import UNKNOWN, Known
 from optax_accum._step._layout import ONE_SUM, Layout
-from optax_accum._step._layouts import Layouts, avals, is_traced
+from optax_accum._step._layouts import Layouts, avals, committed, is_traced
 from optax_accum._step._programs import (
   Bodies,
   Metrics,
@@ -182,7 +182,10 @@ class TrainStep:
     """The inner state in an empty window, arranged, and its layout; on one sum
     the state's sums are ``None`` (they live only inside ``Bodies.scan``)."""
     if self._layouts.on_one_sum(params, inner, batch):
-      return params, self._around(params, inner, sums=False), ONE_SUM
+      state = self._around(params, inner, sums=False)
+      if not is_traced(params, state, batch):
+        params, state = committed((params, state), (params, batch))
+      return params, state, ONE_SUM
     state = self._around(params, inner, sums=True)
     return self._layouts.arranged(params, state, batch, rng)
 
