@@ -776,3 +776,28 @@ def test_init_gives_every_state_leaf_its_own_buffer():
 
   state = step(state, _grads(0))
   assert int(state.mini_step) == 1
+
+
+@pytest.mark.parametrize("device", [0, -1])
+def test_update_in_your_jit_compiles_once_with_committed_params(device, caplog):
+  """``opt.init`` commits the state to the device ``params`` are committed to,
+  as the user's ``jit`` returns it: the README's step compiles once (with its
+  scalars uncommitted it compiled again on the second call)."""
+  opt = optax_accum.MultiSteps(optax.adamw(1e-2), 2)
+  on = jax.devices()[device]
+  params = jax.device_put({"w": jnp.ones((3, 4)), "b": jnp.zeros(4)}, on)
+  state = opt.init(params)
+
+  @jax.jit
+  def train_step(params, state, x):
+    grads = jax.grad(lambda p: jnp.mean((x @ p["w"] + p["b"][None]) ** 2))(params)
+    updates, state = opt.update(grads, state, params, weight=x.shape[0])
+    return optax.apply_updates(params, updates), state
+
+  with caplog.at_level("WARNING"), jax.log_compiles(True):
+    for i in range(4):
+      params, state = train_step(params, state, jnp.full((2, 3), float(i)))
+  compiles = [r for r in caplog.records if "Compiling jit(train_step" in r.getMessage()]
+  assert len(compiles) == 1
+  assert {d for x in jax.tree.leaves(state) for d in x.devices()} == {on}
+  assert int(state.gradient_step) == 2

@@ -148,6 +148,25 @@ def devices(tree: Any) -> int:
   return max(most, len(found))
 
 
+def committed(tree: Any, inputs: Any) -> Any:
+  """``tree``'s arrays committed to the one device of ``inputs``' first committed
+  array (``jax.device_put(params, device)``), as a jitted step returns them:
+  else the step compiles again for what its first call returns. No copies."""
+  arrays = (x for x in jax.tree.leaves(inputs) if _concrete(x))
+  first = next((x for x in arrays if x.committed), None)
+  if first is None or len(first.devices()) != 1:
+    return tree
+
+  def commit(x: Any) -> Any:
+    return jax.device_put(x, first.sharding) if _concrete(x) and not x.committed else x
+
+  return jax.tree.map(commit, tree)
+
+
+def _concrete(x: Any) -> bool:
+  return isinstance(x, jax.Array) and not _traced(x)
+
+
 # -- packing: traceable, one program each when called on arrays ---------------
 
 
@@ -173,7 +192,7 @@ def packed_zeros(acc: Any, packing: Packing) -> Packed:
   program: zeros made on the host and put as ``acc``'s leaves are, committed to
   their device or not (else the first call's program would compile twice)."""
   leaves = jax.tree.leaves(acc)
-  if not all(isinstance(x, jax.Array) and not _traced(x) for x in leaves):
+  if not all(map(_concrete, leaves)):
     return pack(acc, packing)
 
   def zeros(group: tuple[int, ...]) -> jax.Array:

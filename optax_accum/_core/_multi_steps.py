@@ -264,7 +264,11 @@ class MultiSteps:
     return _terms.mean_loss(window_of(self.config, state), shares=shares)
 
   def init(self, params: optax.Params) -> MultiStepsState:
-    """Returns the state for a fresh run: an empty window and no updates."""
+    """Returns the state for a fresh run: an empty window and no updates.
+
+    Where ``params`` are committed to one device (``jax.device_put(params,
+    device)``), so is the state, as a jitted step returns it: a step in your
+    ``jit`` then compiles once, not again on its second call."""
     _checks.check_trainable_leaves(params, name="params")
     config = self.config
     window = _terms.empty(params, config.accumulator_dtype, config.terms)
@@ -279,7 +283,7 @@ class MultiSteps:
     fields = _terms.joined(window, config.terms)._asdict()
     if config.noise_scale:
       fields["noise_scale"] = _noise.empty(weight)
-    return MultiStepsState(  # a state is donated leaf by leaf.
+    state = MultiStepsState(  # a state is donated leaf by leaf.
       **fields,
       gradient_step=gradient_step,
       inner_opt_state=inner_opt_state,
@@ -291,6 +295,7 @@ class MultiSteps:
       last_window_loss=jnp.zeros([], weight),
       last_window_weight=jnp.zeros([], weight),
     )
+    return _layout.committed(state, params)
 
   def update(
     self,

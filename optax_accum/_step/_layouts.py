@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 
 from optax_accum._core import _backend, _checks, _layout
-from optax_accum._core._layout import Packed, PerReplica
+from optax_accum._core._layout import Packed, PerReplica, committed
 from optax_accum._core._multi_steps import MultiStepsState
 from optax_accum._step import _deferred
 from optax_accum._step._deferred import DeferredLayout
@@ -180,23 +180,6 @@ class Layouts:
       built = programs(layout, self.bodies, scan=self.scan, donate=self.donate)
       self._built[layout] = built
     return self._built[layout]
-
-
-def committed(tree: Any, inputs: Any) -> Any:
-  """``tree``'s arrays committed to the one device of ``inputs``' first committed
-  array (``jax.device_put(params, device)``), as the programs return them: else
-  each program compiles again for what the first call returns. Nothing is copied."""
-  arrays = (x for x in jax.tree.leaves(inputs) if isinstance(x, jax.Array))
-  first = next((x for x in arrays if x.committed), None)
-  if first is None or len(first.devices()) != 1:
-    return tree
-
-  def commit(x: Any) -> Any:
-    if isinstance(x, jax.Array) and not x.committed:
-      return jax.device_put(x, first.sharding)
-    return x
-
-  return jax.tree.map(commit, tree)
 
 
 def avals(tree: Any) -> tuple[Any, ...]:

@@ -12,6 +12,7 @@ import optax
 from jax.typing import ArrayLike
 
 from optax_accum._core import _checks, _reduction, _terms
+from optax_accum._core._layout import committed
 from optax_accum._core._multi_steps import EveryKSchedule, MultiSteps, MultiStepsState
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import check_single_accumulation
@@ -20,7 +21,7 @@ from optax_accum._step._coupled import CoupledLoss, CoupledStep, check_coupled
 from optax_accum._step._explained import check_restored, check_state, explained
 from optax_accum._step._known import UNKNOWN, Known
 from optax_accum._step._layout import ONE_SUM, Layout
-from optax_accum._step._layouts import Layouts, avals, committed, is_traced
+from optax_accum._step._layouts import Layouts, avals, is_traced
 from optax_accum._step._programs import (
   Bodies,
   Metrics,
