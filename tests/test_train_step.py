@@ -142,8 +142,7 @@ def test_streaming_compiles_at_most_two_programs():
 
 
 @pytest.mark.parametrize("mode", ["stream", "scan"])
-@pytest.mark.parametrize("placed", ["params on the last device", "batch on device 0"])
-def test_each_program_compiles_once_with_committed_arrays(mode, placed, caplog):
+def test_each_program_compiles_once_with_committed_arrays(mode, caplog):
   """Params or a batch committed to a device (``jax.device_put(x, device)``)
   commit what the programs return: the first call's uncommitted state (from
   ``step.init``, ``opt.init`` or, in scan mode, the inner optimizer's) is
@@ -152,18 +151,18 @@ def test_each_program_compiles_once_with_committed_arrays(mode, placed, caplog):
 
   model = many_leaves(20, 8, 2)
   opt = optax_accum.MultiSteps(optax.adamw(1e-3), 4)
-  inits = {"step.init": None, "opt.init": opt.init}
+  last, first = jax.devices()[-1], jax.devices()[0]
+  cases = [("step.init", None, last), ("opt.init", opt.init, first)]
   if mode == "scan":
-    inits["inner"] = opt.inner_opt.init
-  device = jax.devices()[-1] if placed.startswith("params") else jax.devices()[0]
-  for name, init in inits.items():
+    cases.append(("inner", opt.inner_opt.init, last))
+  for name, init, device in cases:  # Params on the last device, or the batch on 0.
 
     def loss_fn(params, batch):  # Its own programs, for each init.
       return model["loss_fn"](params, batch)
 
     step = optax_accum.make_train_step(loss_fn, opt, mode=mode)
     params = jax.tree.map(jnp.copy, model["params"])
-    if placed.startswith("params"):
+    if device is last:
       params = jax.device_put(params, device)
     state = (init or step.init)(params)
     caplog.clear()
@@ -171,7 +170,7 @@ def test_each_program_compiles_once_with_committed_arrays(mode, placed, caplog):
       for _ in range(8 if mode == "stream" else 2):
         rows = model["batch"](model["rows"] * (4 if mode == "scan" else 1))
         batch = split_micro_batches(rows, 4) if mode == "scan" else rows
-        if placed.startswith("batch"):
+        if device is first:
           batch = jax.device_put(batch, device)
         params, state, _ = step(params, state, batch)
     compiled = [
