@@ -11,13 +11,14 @@ in ``benchmarks/compile.py``.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
 import optax_accum
 from benchmarks.accumulation import many_leaves, optax_in_jit
 from benchmarks.compile import accum_update_in_jit, instructions
-from optax_accum._core import _backend
+from optax_accum._core import _backend, _layout
 
 K = 4
 SMALL, LARGE = 12, 48  # Leaves: four times as many.
@@ -92,3 +93,39 @@ def _default_branch(platform_dependent):
 def test_instructions_counts_the_values_a_module_defines():
   compiled = jax.jit(lambda x: jnp.sin(x) + 1).lower(jnp.ones(3)).compile()
   assert 2 <= instructions(compiled) <= 10
+
+
+def _reductions(compiled) -> int:
+  return compiled.as_text().count(" reduce(")
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's module")
+def test_the_norm_reduces_small_leaves_a_group_at_a_time(monkeypatch):
+  """XLA:CPU compiles a kernel per reduction: the window's norm sums the
+  squares of ``LARGE`` small leaves in one reduction per group
+  (``_layout.norm_groups``), against one per leaf unless the backend groups;
+  the norm is the same but for the order of its adds."""
+  params, loss_fn, batch = _model(LARGE)
+  groups = _layout.norm_groups(params)
+  assert 1 <= len(groups) < LARGE // 4 and sum(map(len, groups)) == LARGE
+  grouped = _reductions(_update_in_jit(LARGE, "opt.init"))
+  norms = [_window_norm(params, loss_fn, batch)]
+  cpu = _backend.of("cpu")
+  monkeypatch.setitem(_backend._BACKENDS, "cpu", cpu._replace(groups_norm=False))
+  assert _layout.norm_groups(params) == ()
+  per_leaf = _reductions(_update_in_jit(LARGE, "opt.init"))
+  norms.append(_window_norm(params, loss_fn, batch))
+  assert per_leaf - grouped == LARGE - len(groups), (per_leaf, grouped)
+  np.testing.assert_allclose(*norms, rtol=1e-6)
+
+
+def _window_norm(params, loss_fn, batch):
+  """The train step's ``grad_norm`` after a window of ``K`` micro-batches."""
+  opt = optax_accum.MultiSteps(optax.adamw(1e-3), K)
+  step = optax_accum.make_train_step(loss_fn, opt)
+  params = jax.tree.map(jnp.copy, params)  # The step donates them.
+  state = step.init(params)
+  for _ in range(K):
+    params, state, metrics = step(params, state, batch)
+  assert metrics["updated"]
+  return float(metrics["grad_norm"])

@@ -33,6 +33,8 @@ class Backend(NamedTuple):
   # XLA:CPU compiles a slice kernel for each distinct offset in a group.
   max_group_size: int = 8192
   two_programs: bool = False  # A window ends in two programs: accumulate, then end.
+  # Whether the norm sums small leaves' squares a group at a time (_layout.norm_groups).
+  groups_norm: bool = False
   # XLA options for programs whose compile time matters more than their run
   # time (the audit's), or None.
   quick_compile: dict[str, Any] | None = None
@@ -46,10 +48,16 @@ _WITHOUT_LLVM_PASSES = {
   "xla_llvm_disable_expensive_passes": True,
 }
 #: By platform name (``jax.Device.platform``); others get ``_DEFAULT`` until
-#: measured there. XLA:CPU packs (a cost per buffer, a kernel per small add) and
-#: runs two programs (a dispatch weighs as much as the work): docs/benchmarks.md.
+#: measured there. XLA:CPU packs (a cost per buffer, a kernel per small add),
+#: runs two programs (a dispatch weighs as much as the work) and sums the norm
+#: by groups (a kernel per reduction to compile): docs/benchmarks.md.
 _BACKENDS = {
-  "cpu": Backend(packs=True, two_programs=True, quick_compile=_WITHOUT_LLVM_PASSES)
+  "cpu": Backend(
+    packs=True,
+    two_programs=True,
+    groups_norm=True,
+    quick_compile=_WITHOUT_LLVM_PASSES,
+  )
 }
 _DEFAULT = Backend()
 

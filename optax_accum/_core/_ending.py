@@ -94,8 +94,10 @@ def end(
   positive = ends & _terms.has_weight(window)
   summed = ms.window_of(config, added._replace(acc_grads=_layout.one_sum(sums)))
 
+  groups = _layout.norm_groups(like)
+
   def checked(_: Any) -> tuple[jax.Array, jax.Array]:
-    squares = _terms.squares(summed, like, divides)
+    squares = _terms.squares(summed, like, divides, groups)
     return squares, _terms.nonfinite(summed, squares)
 
   dtype = _terms.weight(window).dtype

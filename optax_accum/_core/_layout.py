@@ -91,7 +91,7 @@ def plan(
   by_dtype: dict[Any, list[int]] = {}
   for i, (leaf, like) in enumerate(zip(leaves, likes, strict=True)):
     if 1 <= math.prod(np.shape(leaf)) <= max_leaf_size:
-      key = (jnp.dtype(leaf.dtype), jnp.result_type(like))
+      key = (jnp.result_type(leaf), jnp.result_type(like))
       by_dtype.setdefault(key, []).append(i)
   shapes = tuple(tuple(np.shape(x)) for x in leaves)
   chosen = [g for g in by_dtype.values() if len(g) >= min_leaves]
@@ -130,6 +130,24 @@ def packing_for(config: MultiStepsConfig, params: Any, acc: Any) -> Packing | No
   if not _backend.of(_backend.platform_of(params)).packs or devices(params) > 1:
     return None
   return plan(acc, params)
+
+
+def norm_groups(like: Any) -> tuple[tuple[int, ...], ...]:
+  """Leaves of ``like`` (the params or the updates) whose squares the window's
+  norm sums in one reduction: small leaves planned as for packing (any two of
+  a dtype), where the backend says so, on one device and outside a mesh
+  context (where a concatenation would gather sharded leaves).
+
+  XLA:CPU compiles a kernel per reduction, and small leaves are most of them.
+  The groups depend on ``like`` and the backend alone, not on the state's
+  layout, so every layout sums the same way: ``grad_norm`` is the same to the
+  bit."""
+  if not _backend.of(_backend.platform_of(like)).groups_norm or devices(like) > 1:
+    return ()
+  if not jax.sharding.get_abstract_mesh().empty:
+    return ()
+  packing = plan(like, min_leaves=2)
+  return () if packing is None else packing.groups
 
 
 def devices(tree: Any) -> int:

@@ -139,13 +139,16 @@ def gradient(window: Terms, like: Any, divide: bool = True) -> Any:
   return total
 
 
-def squares(window: Terms, like: Any, divide: bool = True) -> jax.Array:
-  """The squared norm of :func:`gradient`, NaN where it is not finite."""
+def squares(
+  window: Terms, like: Any, divide: bool = True, groups: Any = ()
+) -> jax.Array:
+  """The squared norm of :func:`gradient`, NaN where it is not finite (see
+  :func:`~optax_accum._core._window.squares`)."""
   if len(window) == 1:
-    return _window.squares(window[0], like, divide)
+    return _window.squares(window[0], like, divide, groups)
   one = jnp.ones([], window[0].acc_weight.dtype)
-  total = gradient(window, like, divide)
-  return _window.squares(Window(window[0].mini_step, total, one, one), like, False)
+  total = Window(window[0].mini_step, gradient(window, like, divide), one, one)
+  return _window.squares(total, like, False, groups)
 
 
 def nonfinite(window: Terms, squares: jax.Array) -> jax.Array:

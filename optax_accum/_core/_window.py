@@ -253,13 +253,23 @@ def gradient(window: Window, like: Any, divide: bool = True) -> Any:
   return jax.tree.map(leaf, window.acc_grads, like)
 
 
-def squares(window: Window, like: Any, divide: bool = True) -> jax.Array:
+def squares(
+  window: Window, like: Any, divide: bool = True, groups: Any = ()
+) -> jax.Array:
   """The squared norm of :func:`gradient`: NaN exactly when an element is not
   finite (:func:`~optax_accum._core._backend.nan_marker`), inf when only the
-  squares overflow; one pass serves both the finite check and the norm."""
+  squares overflow; one pass serves both the finite check and the norm.
+
+  ``groups``: leaf indices whose squares are summed in one reduction, over the
+  leaves concatenated (:func:`~optax_accum._core._layout.norm_groups`); then
+  the other leaves, one each."""
   dtype = window.acc_weight.dtype
+  leaves = jax.tree.leaves(gradient(window, like, divide))
+  grouped = {i for group in groups for i in group}
+  parts = [jnp.concatenate([jnp.ravel(leaves[i]) for i in g]) for g in groups]
+  parts += [g for i, g in enumerate(leaves) if i not in grouped]
   total = jnp.zeros([], dtype)
-  for g in jax.tree.leaves(gradient(window, like, divide)):
+  for g in parts:
     g = jnp.abs(g).astype(dtype)
     total = total + jnp.sum(jnp.square(g) + _backend.nan_marker(g))
   return total
