@@ -9,7 +9,7 @@ import pytest
 from benchmarks import accumulation
 
 
-@pytest.mark.slow
+@pytest.mark.long  # 14 s of CPU; `test_compile_benchmark_smoke` runs in CI.
 def test_benchmark_smoke(tmp_path):
   options = ["--models", "mlp-64x2-b4", "--ks", "1", "4", "--repeats", "2"]
   options += ["--leaf-counts", "10", "--machine", "smoke", "--out", str(tmp_path)]

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from optax_accum._core import _backend, _checks
+from optax_accum._core import _backend, _checks, _window
 from optax_accum._core._state import MultiStepsConfig, MultiStepsState
 
 
@@ -91,7 +91,7 @@ def plan(
   by_dtype: dict[Any, list[int]] = {}
   for i, (leaf, like) in enumerate(zip(leaves, likes, strict=True)):
     if 1 <= math.prod(np.shape(leaf)) <= max_leaf_size:
-      key = (jnp.result_type(leaf), jnp.result_type(like))
+      key = (jnp.dtype(leaf.dtype), jnp.result_type(like))
       by_dtype.setdefault(key, []).append(i)
   shapes = tuple(tuple(np.shape(x)) for x in leaves)
   chosen = [g for g in by_dtype.values() if len(g) >= min_leaves]
@@ -132,22 +132,39 @@ def packing_for(config: MultiStepsConfig, params: Any, acc: Any) -> Packing | No
   return plan(acc, params)
 
 
-def norm_groups(like: Any) -> tuple[tuple[int, ...], ...]:
+def norm_groups(like: Any) -> _window.Groups:
   """Leaves of ``like`` (the params or the updates) whose squares the window's
-  norm sums in one reduction: small leaves planned as for packing (any two of
-  a dtype), where the backend says so, on one device and outside a mesh
-  context (where a concatenation would gather sharded leaves).
+  norm sums in one reduction: small leaves of one shape and dtype, in groups as
+  packing makes them, where the backend says so, on one device and outside a
+  mesh context (where a concatenation would gather sharded leaves).
 
-  XLA:CPU compiles a kernel per reduction, and small leaves are most of them.
-  The groups depend on ``like`` and the backend alone, not on the state's
-  layout, so every layout sums the same way: ``grad_norm`` is the same to the
-  bit."""
-  if not _backend.of(_backend.platform_of(like)).groups_norm or devices(like) > 1:
+  XLA:CPU compiles a kernel per distinct reduction; a packed leaf's is its
+  own (its offset), and groups of one shape compile alike. The groups depend
+  on ``like`` and the backend alone, not on the state's layout: ``grad_norm``
+  is the same to the bit in every layout.
+
+  Examples:
+    On the CPU:
+
+    >>> import jax.numpy as jnp
+    >>> like = {"a": jnp.ones(3), "b": jnp.ones((2, 2)), "c": jnp.ones(3)}
+    >>> norm_groups(jax.device_put(like, jax.devices("cpu")[0]))
+    ((0, 2),)
+  """
+  backend = _backend.of(_backend.platform_of(like))
+  if not backend.groups_norm or devices(like) > 1:
     return ()
   if not jax.sharding.get_abstract_mesh().empty:
     return ()
-  packing = plan(like, min_leaves=2)
-  return () if packing is None else packing.groups
+  leaves = jax.tree.leaves(like)
+  shapes = [tuple(np.shape(x)) for x in leaves]
+  alike: dict[Any, list[int]] = {}
+  for i, x in enumerate(leaves):
+    if 1 <= math.prod(shapes[i]) <= backend.max_leaf_size:
+      alike.setdefault((shapes[i], jnp.result_type(x)), []).append(i)
+  size = backend.max_group_size
+  groups = (g for same in alike.values() for g in _split(same, shapes, size))
+  return tuple(g for g in groups if len(g) > 1)
 
 
 def devices(tree: Any) -> int:

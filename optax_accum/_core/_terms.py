@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike, DTypeLike
 
 from optax_accum._core import _window
-from optax_accum._core._window import Admission, Window
+from optax_accum._core._window import Admission, Groups, Window
 
 #: A window of one or more terms, one plain window each.
 Terms = tuple[Window, ...]
@@ -140,7 +140,7 @@ def gradient(window: Terms, like: Any, divide: bool = True) -> Any:
 
 
 def squares(
-  window: Terms, like: Any, divide: bool = True, groups: Any = ()
+  window: Terms, like: Any, divide: bool = True, groups: Groups = ()
 ) -> jax.Array:
   """The squared norm of :func:`gradient`, NaN where it is not finite (see
   :func:`~optax_accum._core._window.squares`)."""

@@ -32,6 +32,9 @@ from jax.typing import ArrayLike, DTypeLike
 
 from optax_accum._core import _backend, _checks, _noise
 
+#: Leaf indices summed as one (``_layout.norm_groups``).
+Groups = tuple[tuple[int, ...], ...]
+
 
 class Window(NamedTuple):
   """The window in progress: ``MultiStepsState``'s window fields (documented there)."""
@@ -254,7 +257,7 @@ def gradient(window: Window, like: Any, divide: bool = True) -> Any:
 
 
 def squares(
-  window: Window, like: Any, divide: bool = True, groups: Any = ()
+  window: Window, like: Any, divide: bool = True, groups: Groups = ()
 ) -> jax.Array:
   """The squared norm of :func:`gradient`: NaN exactly when an element is not
   finite (:func:`~optax_accum._core._backend.nan_marker`), inf when only the
