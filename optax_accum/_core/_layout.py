@@ -134,14 +134,15 @@ def packing_for(config: MultiStepsConfig, params: Any, acc: Any) -> Packing | No
 
 def norm_groups(like: Any) -> _window.Groups:
   """Leaves of ``like`` (the params or the updates) whose squares the window's
-  norm sums in one reduction: small leaves of one shape and dtype, in groups as
-  packing makes them, where the backend says so, on one device and outside a
-  mesh context (where a concatenation would gather sharded leaves).
+  norm sums in one variadic reduction: small leaves of one shape and dtype, in
+  groups of at most the backend's ``max_group_size`` elements, where the
+  backend says so, on one device and outside a mesh context.
 
-  XLA:CPU compiles a kernel per distinct reduction; a packed leaf's is its
-  own (its offset), and groups of one shape compile alike. The groups depend
-  on ``like`` and the backend alone, not on the state's layout: ``grad_norm``
-  is the same to the bit in every layout.
+  XLA:CPU compiles a kernel per distinct reduction, and a packed leaf's is its
+  own (it reads its own offset). A variadic reduction's sums differ from
+  single ones in their last bits, so the groups depend on ``like`` and the
+  backend alone, not on the state's layout: ``grad_norm`` is the same to the
+  bit in every layout.
 
   Examples:
     On the CPU:

@@ -263,18 +263,27 @@ def squares(
   finite (:func:`~optax_accum._core._backend.nan_marker`), inf when only the
   squares overflow; one pass serves both the finite check and the norm.
 
-  ``groups``: leaf indices whose squares are summed in one reduction, over the
-  leaves concatenated (:func:`~optax_accum._core._layout.norm_groups`); then
-  the other leaves, one each."""
+  ``groups``: leaves of one shape whose sums are one variadic reduction, a
+  kernel (:func:`~optax_accum._core._layout.norm_groups`); the others are a
+  reduction each. The sums are added in leaf order."""
   dtype = window.acc_weight.dtype
-  leaves = jax.tree.leaves(gradient(window, like, divide))
-  grouped = {i for group in groups for i in group}
-  parts = [jnp.concatenate([jnp.ravel(leaves[i]) for i in g]) for g in groups]
-  parts += [g for i, g in enumerate(leaves) if i not in grouped]
-  total = jnp.zeros([], dtype)
-  for g in parts:
+
+  def terms(g: jax.Array) -> jax.Array:
     g = jnp.abs(g).astype(dtype)
-    total = total + jnp.sum(jnp.square(g) + _backend.nan_marker(g))
+    return jnp.square(g) + _backend.nan_marker(g)
+
+  leaves = [terms(g) for g in jax.tree.leaves(gradient(window, like, divide))]
+  sums: list[Any] = [None] * len(leaves)
+  for group in groups:  # One variadic reduction: a sum per leaf, one kernel.
+    parts = [leaves[i] for i in group]
+    zeros = [jnp.zeros([], dtype)] * len(parts)
+    dims = tuple(range(jnp.ndim(parts[0])))
+    add = lambda a, b: [x + y for x, y in zip(a, b, strict=True)]  # noqa: E731
+    for i, s in zip(group, jax.lax.reduce(parts, zeros, add, dims), strict=True):
+      sums[i] = s
+  total = jnp.zeros([], dtype)
+  for i, g in enumerate(leaves):
+    total = total + (jnp.sum(g) if sums[i] is None else sums[i])
   return total
 
 
