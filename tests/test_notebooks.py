@@ -17,8 +17,12 @@ def test_there_are_notebooks():
 #: The notebooks that take 11 s of CPU or more run in the long run (``make
 #: test-long``); what they show runs in CI in the docs pages' blocks
 #: (``multi_steps``, ``distributed``, ``planning``, ``noise_scale``) and tests.
-LONG = {"04_data_parallel", "05_migrating", "06_planning_micro_batches"}
-LONG |= {"07_batch_size_ramp"}
+LONG = {
+  "04_data_parallel",
+  "05_migrating",
+  "06_planning_micro_batches",
+  "07_batch_size_ramp",
+}
 
 
 @pytest.mark.slow  # A kernel each: 5 to 16 s of CPU.
