@@ -102,20 +102,20 @@ def _reductions(compiled) -> int:
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's module")
 def test_the_norm_reduces_small_leaves_a_group_at_a_time(monkeypatch):
   """XLA:CPU compiles a kernel per reduction: the window's norm sums the
-  squares of ``LARGE`` small leaves in one reduction per group
+  squares of ``SMALL`` small leaves in one reduction per group
   (``_layout.norm_groups``), against one per leaf unless the backend groups;
   the norm is the same but for the order of its adds."""
-  params, loss_fn, batch = _model(LARGE)
+  params, loss_fn, batch = _model(SMALL)
   groups = _layout.norm_groups(params)
-  assert 1 <= len(groups) < LARGE // 4 and sum(map(len, groups)) == LARGE
-  grouped = _reductions(_update_in_jit(LARGE, "opt.init"))
+  assert 1 <= len(groups) < SMALL // 4 and sum(map(len, groups)) == SMALL
+  grouped = _reductions(_update_in_jit(SMALL, "opt.init"))
   norms = [_window_norm(params, loss_fn, batch)]
   cpu = _backend.of("cpu")
   monkeypatch.setitem(_backend._BACKENDS, "cpu", cpu._replace(groups_norm=False))
   assert _layout.norm_groups(params) == ()
-  per_leaf = _reductions(_update_in_jit(LARGE, "opt.init"))
+  per_leaf = _reductions(_update_in_jit(SMALL, "opt.init"))
   norms.append(_window_norm(params, loss_fn, batch))
-  assert per_leaf - grouped == LARGE - len(groups), (per_leaf, grouped)
+  assert per_leaf - grouped == SMALL - len(groups), (per_leaf, grouped)
   np.testing.assert_allclose(*norms, rtol=1e-6)
 
 

@@ -24,17 +24,19 @@ PAGES = sorted(DOCS.glob("*.md"))
 
 
 #: Pages whose blocks take 10 s of CPU or more: run first (see tests/conftest.py).
-SLOW_PAGES = {"audit", "frameworks", "loss_terms", "recipes", "schedules"}
+SLOW_PAGES = {"recipes", "schedules"}
+#: Pages whose blocks take 13-16 s of CPU: in the long run (``make test-long``);
+#: in CI test_audit.py, test_frameworks.py and test_loss_terms.py pin their APIs.
+LONG_PAGES = {"audit", "frameworks", "loss_terms"}
 
 
-@pytest.mark.parametrize(
-  "page",
-  [
-    pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW_PAGES else p
-    for p in PAGES
-  ],
-  ids=lambda p: p.stem,
-)
+def _marked(page):
+  marks = [pytest.mark.slow] if page.stem in SLOW_PAGES else []
+  marks += [pytest.mark.long] if page.stem in LONG_PAGES else []
+  return pytest.param(page, marks=marks)
+
+
+@pytest.mark.parametrize("page", [_marked(p) for p in PAGES], ids=lambda p: p.stem)
 def test_python_blocks_print_what_the_page_shows(page):
   """Each page is its own session: a reader can run it from the top. The
   pages show what a CPU prints (8 simulated devices, XLA:CPU's memory)."""

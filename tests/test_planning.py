@@ -102,6 +102,7 @@ def _assert_binary_search_result(plan, sizes):
 
 
 @CPU_BUDGETS
+@pytest.mark.long  # 11 s of CPU; in CI the planning page's blocks plan a stream.
 def test_stream_plan_fits_the_budget_and_matches_the_run(monkeypatch, capsys):
   """37 rows (prime): any size leaves a shorter last micro-batch, which the plan
   compiles too. Each program that then runs has exactly the planned analysis,
