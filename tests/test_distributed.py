@@ -241,6 +241,34 @@ def test_make_train_step_in_shard_map_matches_one_device(mode):
   assert toy_lm.max_rel_diff(params, whole) <= 1e-5
 
 
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+def test_make_train_step_without_axis_name_is_refused_under_manual_axes(mode):
+  """Issue 60: the step in shard_map or pmap without axis_name let each replica
+  divide by its own weight (8 replicas ended 4.4 apart); now F11's error."""
+  opt = optax_accum.MultiSteps(optax.sgd(0.1), 2)
+  step = optax_accum.make_train_step(toy_lm.mean_loss, opt, mode=mode, donate=False)
+  params = toy_lm.init_params(seed=0)
+  batch = _uneven_batch(seed=0, batch=16)
+  window = toy_lm.split(batch, 2)
+  mb = jax.tree.map(lambda *x: jnp.stack(x), *window) if mode == "scan" else window[0]
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AUTO,))
+  spec = P(None, "data") if mode == "scan" else P("data")
+  mapped = jax.shard_map(
+    step, mesh=mesh, in_specs=(P(), P(), spec), out_specs=(P(), P(), P())
+  )
+  with pytest.raises(ValueError, match=r"train step runs under.*axis_name='data'"):
+    jax.jit(mapped)(params, opt.init(params), mb)
+  def per_device(x):  # Rows split 8 ways, the device axis first.
+    if mode == "stream":
+      return x.reshape(8, -1, *x.shape[1:])
+    return x.reshape(2, 8, -1, *x.shape[2:]).swapaxes(0, 1)
+
+  rows = jax.tree.map(per_device, mb)
+  pmapped = jax.pmap(step, axis_name="batch", in_axes=(None, None, 0))
+  with pytest.raises(ValueError, match=r"train step runs under.*axis_name='batch'"):
+    pmapped(params, opt.init(params), rows)
+
+
 def test_pmap_with_axis_name():
   k = 2
   batch = _uneven_batch(seed=0)

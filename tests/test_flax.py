@@ -79,6 +79,27 @@ def test_nnx_optimizer_forwards_weight():
   assert int(optax_accum.get_update_count(optimizer.opt_state)) == UPDATES
 
 
+def test_flax_wrappers_forward_weight_through_a_chain():
+  """Issue 60: ``TrainState(tx=optax.chain(..., MultiSteps))`` and the NNX
+  ``Optimizer`` lost ``weight=`` inside the chain."""
+  from optax_accum.flax import Optimizer, TrainState
+
+  grads = [jnp.array([1.0]), jnp.array([3.0])]
+  tx = optax.chain(optax.identity(), optax_accum.MultiSteps(optax.sgd(1.0), 2))
+  state = TrainState.create(apply_fn=None, params=jnp.zeros(1), tx=tx)
+  for g, w in zip(grads, (1, 3), strict=True):
+    state = state.apply_gradients(grads=g, weight=w)
+  assert float(state.params[0]) == -2.5
+  model = nnx.Linear(1, 1, use_bias=False, rngs=nnx.Rngs(0))
+  before = float(model.kernel[...][0, 0])
+  tx = optax.chain(optax.identity(), optax_accum.MultiSteps(optax.sgd(1.0), 2))
+  optimizer = Optimizer(model, tx, wrt=nnx.Param)
+  for g, w in zip(grads, (1, 3), strict=True):
+    grad = nnx.grad(lambda m, g=g: (m(jnp.ones((1, 1))) * g[0]).sum())(model)
+    optimizer.update(model, grad, weight=w)
+  assert float(model.kernel[...][0, 0]) - before == -2.5
+
+
 # --- Linen ----------------------------------------------------------------------
 
 

@@ -203,6 +203,21 @@ def test_gradient_transformation_chains_and_forwards_weight():
   assert ms.inner_opt.update is not None and bool(ms.has_updated(state[1]))
 
 
+def test_multi_steps_itself_in_a_chain_gets_weight(recwarn):
+  """Issue 60: ``optax.chain`` dropped ``weight=`` before a ``MultiSteps``
+  (2.0 where the token mean is 2.5) and warned that none was given."""
+  ms = optax_accum.MultiSteps(optax.sgd(1.0), 2)
+  chained = optax.chain(optax.clip_by_global_norm(1e6), ms)
+  state = chained.init(PARAMS)
+  update = jax.jit(chained.update)
+  _, state = update(_grads(0), state, PARAMS, weight=1)
+  updates, state = update(_grads(1), state, PARAMS, weight=3)
+  expected = jax.tree.map(lambda a, b: -(a + 3 * b) / 4, _grads(0), _grads(1))
+  chex.assert_trees_all_close(updates, expected, rtol=1e-6)
+  assert not [w for w in recwarn if "weight" in str(w.message)]
+  assert jax.tree.leaves(ms) == [] and isinstance(ms, optax.GradientTransformation)
+
+
 # --- Windows: the inner optimizer runs once, on the right micro-step ------------
 
 

@@ -139,6 +139,27 @@ def _via_update(opt, micro_batches, ends=None):
   return seen
 
 
+def test_a_logger_that_smooths_every_micro_step_counts_each_window_once():
+  """Issue 60: ``get_last_window``'s estimates fed to ``smooth_noise_scale`` on
+  every micro-step counted each window k times (B_simple 887 for 37)."""
+  opt, params = _sgd0(every_k_schedule=K), _params()
+  micro_batches = _micro_batches(3 * K, seed=3)
+
+  @jax.jit
+  def call(state, batch):
+    (_, weight), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    return opt.update(grads, state, params, weight=weight)[1]
+
+  state, every, ends = opt.init(params), None, None
+  for mb in micro_batches:
+    state = call(state, mb)
+    measured = optax_accum.get_last_window(state)["noise_scale"]
+    b_every, every = optax_accum.smooth_noise_scale(measured, every)
+    if bool(state.updated):
+      b_ends, ends = optax_accum.smooth_noise_scale(measured, ends)
+  assert float(b_every) == float(b_ends) and float(ends.total) > 0
+
+
 def test_multi_steps_update_in_a_users_jit_measures_each_window():
   micro_batches = _micro_batches(3 * K, empty=(5,))
   seen = _via_update(_sgd0(every_k_schedule=K), micro_batches)

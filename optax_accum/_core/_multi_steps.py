@@ -82,7 +82,7 @@ def _warn_unweighted() -> None:
   )
 
 
-class MultiSteps:
+class MultiSteps(optax.GradientTransformationExtraArgs):
   r"""Accumulates gradients over a window of micro-batches, weighted by items.
 
   A drop-in for :class:`optax.MultiSteps` that gives exactly the whole-batch
@@ -165,10 +165,25 @@ class MultiSteps:
     >>> u, opt.has_updated(state)   # -(1*1 + 3*3) / (1 + 3)
     (Array(-2.5, dtype=float32), Array(True, dtype=bool))
 
+  It is an ``optax.GradientTransformationExtraArgs``, so inside
+  ``optax.chain`` it still gets ``weight=`` and the other keyword arguments.
+
   References:
     Unsloth, `Bug fixes in gradient accumulation
     <https://unsloth.ai/blog/gradient>`_, 2024.
   """
+
+  def __new__(cls, *args: Any, **kwargs: Any) -> MultiSteps:
+    # The tuple optax.chain unpacks: this object's own init and update.
+    del args, kwargs
+    me: list[MultiSteps] = []
+    self = super().__new__(
+      cls,
+      init=lambda params: me[0].init(params),
+      update=lambda *args, **kwargs: me[0].update(*args, **kwargs),
+    )
+    me.append(self)
+    return self
 
   def __init__(
     self,
@@ -381,3 +396,9 @@ class MultiSteps:
   def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
     """This accumulator as an ``optax.GradientTransformationExtraArgs``."""
     return optax.GradientTransformationExtraArgs(init=self.init, update=self.update)
+
+
+# A transformation, not data: no leaves (JAX would otherwise flatten the tuple).
+jax.tree_util.register_pytree_node(
+  MultiSteps, lambda tx: ((), tx), lambda tx, children: tx
+)

@@ -38,7 +38,9 @@ def unreduced_axes(x: Any) -> frozenset[str]:
   return frozenset(getattr(spec, "unreduced", ()))
 
 
-def check_replicas(axis_name: AxisName | None, weight: Any) -> None:
+def check_replicas(
+  axis_name: AxisName | None, weight: Any, where: str = "MultiSteps.update"
+) -> None:
   """Refuses a ``weight`` that may vary per replica under manual axes that no
   ``axis_name`` names (under ``pmap``: any ``weight``); ``axis_name=()`` opts out."""
   if axis_name is not None or weight is None:
@@ -53,11 +55,12 @@ def check_replicas(axis_name: AxisName | None, weight: Any) -> None:
     return
   named = manual[0] if len(manual) == 1 else manual
   raise ValueError(
-    f"MultiSteps.update runs under the manual mesh axes {manual} (pmap or "
+    f"{where} runs under the manual mesh axes {manual} (pmap or "
     "shard_map) with a `weight` that can differ per replica, and without "
     "`axis_name`: each replica would divide by its own window weight and the "
     "replicated params would drift apart. Pass "
-    f"MultiSteps(..., axis_name={named!r}) and drop your own pmean/psum of the "
+    f"axis_name={named!r} (to MultiSteps or make_train_step) and drop your own "
+    "pmean/psum of the "
     "gradients (the accumulator sums the weighted gradients over the axis "
     "once), or axis_name=() if the replicas are independent on purpose."
   )

@@ -82,7 +82,9 @@ def get_last_window(opt_state: optax.OptState) -> dict[str, jax.Array]:
     (:meth:`MultiSteps.window_loss`; 0 without ``loss=``) and total weight,
     both 0 before the first window ends. With ``MultiSteps(noise_scale=True)``
     also ``"noise_scale"``: the window's estimates as the train step's metric
-    reports them (``docs/noise_scale.md``).
+    reports them (``docs/noise_scale.md``), ``units`` 0 but on the call that
+    ended the window: fed to :func:`smooth_noise_scale` after every
+    micro-step, each window counts once.
 
   Raises:
     ValueError: If there is no :class:`optax_accum.MultiStepsState`.
@@ -109,7 +111,7 @@ def get_last_window(opt_state: optax.OptState) -> dict[str, jax.Array]:
   }
   if _noise.measures(found[0].noise_scale):
     window["noise_scale"] = _noise.metric(
-      jax.tree.map(jnp.asarray, found[0].noise_scale)
+      jax.tree.map(jnp.asarray, found[0].noise_scale), jnp.asarray(found[0].updated)
     )
   return window
 
