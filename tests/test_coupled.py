@@ -511,3 +511,105 @@ def test_every_path_matches_the_float64_reference_model(path):
           np.asarray(got[name]), want[name], rtol=1e-12, atol=1e-14
         )
       current = {n: current[n] - want[n] for n in current}
+
+
+# -- issue 60: a streamed window lives in the state --------------------------
+
+
+def _streamed(step, params, state, micro_batches):
+  for micro_batch in micro_batches:
+    params, state, metrics = step(params, state, micro_batch)
+  return params, state, metrics
+
+
+def test_a_streamed_window_lives_in_the_state_restored_mid_window_or_interleaved():
+  """The held micro-batches were in the step object: a mid-window checkpoint
+  restored in the same process ended its window early (0.79 off), and two
+  states through one step mixed their windows (1.32 off)."""
+  k, params, batch = 4, _clip_params(jnp.float32), _clip_batch(jnp.float32)
+  step = optax_accum.make_train_step(CLIP, optax.sgd(1.0), every_k_schedule=k)
+  micro = [jax.tree.map(lambda x, i=i: x[i::k], batch) for i in range(k)]
+  whole = jax.grad(CLIP.whole_batch)(params, batch)
+
+  def moved_by(p):
+    return jax.tree.map(jnp.subtract, params, p)
+
+  start = jax.tree.map(jnp.copy, params), step.init(params)
+  half_p, half_s, _ = _streamed(step, *start, micro[:2])
+  saved = jax.tree.map(np.asarray, (half_p, half_s))  # The naive checkpoint.
+  done, _, metrics = _streamed(step, half_p, half_s, micro[2:])
+  assert bool(metrics["updated"]) and _rel(moved_by(done), whole) <= 1e-5
+  restored = jax.tree.map(jnp.asarray, saved)
+  again, _, metrics = _streamed(step, *restored, micro[2:])
+  assert bool(metrics["updated"]) and _rel(moved_by(again), whole) <= 1e-5
+  # Two runs interleaved through one step: each window its own.
+  other = _clip_batch(jnp.float32, seed=1)
+  other_micro = [jax.tree.map(lambda x, i=i: x[i::k], other) for i in range(k)]
+  runs = [(jax.tree.map(jnp.copy, params), step.init(params)) for _ in range(2)]
+  for pair in zip(micro, other_micro, strict=True):
+    runs = [step(p, s, mb)[:2] for (p, s), mb in zip(runs, pair, strict=True)]
+  assert _rel(moved_by(runs[0][0]), whole) <= 1e-5
+  assert _rel(moved_by(runs[1][0]), jax.grad(CLIP.whole_batch)(params, other)) <= 1e-5
+
+
+def test_a_loader_that_refills_one_buffer_trains_on_each_micro_batch():
+  """The held micro-batches were the caller's arrays: a loader refilling one
+  NumPy buffer trained on k copies of the last (1.68 off)."""
+  k, params, batch = 4, _clip_params(jnp.float32), _clip_batch(jnp.float32)
+  step = optax_accum.make_train_step(CLIP, optax.sgd(1.0), every_k_schedule=k)
+  buffer = jax.tree.map(lambda x: np.zeros(x[::k].shape, x.dtype), batch)
+  moved, state = jax.tree.map(jnp.copy, params), step.init(params)
+  for i in range(k):
+    for name, x in batch.items():
+      buffer[name][...] = np.asarray(x[i::k])  # Refilled in place.
+    moved, state, metrics = step(moved, state, buffer)
+  whole = jax.grad(CLIP.whole_batch)(params, batch)
+  assert bool(metrics["updated"])
+  assert _rel(jax.tree.map(jnp.subtract, params, moved), whole) <= 1e-5
+
+
+def test_a_held_window_is_refused_by_every_other_path_and_unlike_shapes_named():
+  k, params, batch = 2, _clip_params(jnp.float32), _clip_batch(jnp.float32)
+  opt = optax_accum.MultiSteps(optax.sgd(1.0), k)
+  step = optax_accum.make_train_step(CLIP, opt)
+  _, state, _ = step(params, step.init(params), batch)
+  assert len(state.held) == 1
+  scan = optax_accum.make_train_step(CLIP, opt, mode="scan")
+  with pytest.raises(ValueError, match=r"holds 1 micro-batches.*a scan-mode step"):
+    scan(params, state, optax_accum.split_micro_batches(batch, k))
+  with pytest.raises(ValueError, match=r"holds 1 micro-batches.*MultiSteps.update"):
+    step.optimizer.update(jax.tree.map(jnp.zeros_like, params), state, params)
+  short = jax.tree.map(lambda x: x[:-2], batch)
+  unlike = r"micro-batch 1 .* leaf \['image'\] of shape \(30, 6\)"
+  with pytest.raises(ValueError, match=unlike):
+    step(params, state, short)
+
+
+def test_a_should_skip_update_fn_is_refused():
+  """It rejected single micro-batches of a coupled window: a partial window
+  (weight 12 of 16) was applied, 0.77 off."""
+  opt = optax_accum.MultiSteps(
+    optax.sgd(1.0), 4, should_skip_update_fn=lambda u, s, p: (False, ())
+  )
+  with pytest.raises(ValueError, match=r"no should_skip_update_fn"):
+    optax_accum.make_train_step(CLIP, opt, mode="scan")
+
+
+@pytest.mark.parametrize("k", [3, 7])
+def test_a_windows_weight_is_exact(k):
+  """``W / k`` summed k times read 7.0000005 for 7; a bfloat16 loss's weight
+  was cast to bfloat16 (1,001 read 1,000)."""
+  params = {"w": jnp.ones((2,), jnp.bfloat16)}
+
+  def represent(p, batch):
+    return {"z": batch["x"] @ p["w"][:, None]}
+
+  def window_loss(z, batch):
+    return jnp.mean(z["z"]).astype(jnp.bfloat16), batch["n"].sum() * 1001 // k
+
+  coupled = optax_accum.CoupledLoss(represent, window_loss)
+  step = optax_accum.make_train_step(coupled, optax.sgd(0.0), mode="scan")
+  window = {"x": jnp.ones((k, 2, 2), jnp.bfloat16), "n": jnp.ones((k, 1), jnp.int32)}
+  _, state, metrics = step(params, step.init(params), window)
+  assert float(metrics["weight"]) == 1001.0
+  assert float(state.last_window_weight) == 1001.0

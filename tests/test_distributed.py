@@ -258,6 +258,7 @@ def test_make_train_step_without_axis_name_is_refused_under_manual_axes(mode):
   )
   with pytest.raises(ValueError, match=r"train step runs under.*axis_name='data'"):
     jax.jit(mapped)(params, opt.init(params), mb)
+
   def per_device(x):  # Rows split 8 ways, the device axis first.
     if mode == "stream":
       return x.reshape(8, -1, *x.shape[1:])

@@ -496,6 +496,38 @@ def test_scan_mode_takes_the_optimizers_own_state_and_returns_it():
   assert lowered.compile().memory_analysis() is not None
 
 
+def test_scan_mode_from_the_optimizers_own_state_counts_what_it_can():
+  """Issue 60: from ``tx.init(params)`` every window drew window 0's keys and
+  reported update_count 1. Now ``rng=`` is refused there (plain and coupled),
+  the count is the inner state's own where it keeps one, and absent where not."""
+  params, window = toy_lm.init_params(seed=0), toy_lm.make_batch(seed=0)
+  window = split_micro_batches(window, 2)
+  counted = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+  for tx, counts in ((counted, True), (optax.sgd(0.1), False)):
+    step = optax_accum.make_train_step(toy_lm.mean_loss, tx, mode="scan")
+    state = tx.init(params)
+    with pytest.raises(ValueError, match=r"`rng`.*tx.init\(params\).*step.init"):
+      step(params, state, window, jax.random.key(0))
+    for update in (1, 2):
+      params, state, metrics = step(params, state, window)
+      assert (
+        int(metrics["update_count"]) == update
+        if counts
+        else ("update_count" not in metrics)
+      )
+  from test_coupled import CLIP, _clip_batch, _clip_params
+
+  step = optax_accum.make_train_step(CLIP, optax.sgd(0.1), mode="scan")
+  clip = _clip_params(jnp.float32)
+  with pytest.raises(ValueError, match=r"`rng`.*step.init"):
+    step(
+      clip,
+      optax.sgd(0.1).init(clip),
+      split_micro_batches(_clip_batch(jnp.float32), 2),
+      jax.random.key(0),
+    )
+
+
 def test_scan_mode_from_the_optimizers_own_state_runs_in_the_users_jit():
   """The same window in the user's ``jit``, before and after a call outside
   it, as outside: what the step keeps between calls holds no tracer."""

@@ -27,6 +27,7 @@ from optax_accum._core._state import (
   MultiStepsState,
   NonFinitePolicy,
   ShouldSkipUpdateFn,
+  check_not_holding,
   check_single_accumulation,
 )
 from optax_accum._core._transitions import (
@@ -349,6 +350,7 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
       positive weight, exact zeros on every other call; and the new state.
     """
     check_extra_args(extra_args, loss)
+    check_not_holding(state, "MultiSteps.update")
     if weight is None:
       self._warn_unweighted()
     _reduction.check_replicas(self.config.axis_name, weight)

@@ -83,6 +83,9 @@ class MultiStepsState(NamedTuple):
       the pytree: a state that does not measure has the structure of
       release 0.1.0's, and its orbax checkpoints restore against it
       (``flax.serialization``: ``docs/noise_scale.md``).
+    held: A streamed :class:`~optax_accum.CoupledLoss` window's micro-batches
+      so far (a tuple of device copies, in order), which its last call runs
+      together; ``None`` (not a node of the pytree) everywhere else.
   """
 
   mini_step: jax.Array
@@ -99,24 +102,30 @@ class MultiStepsState(NamedTuple):
   last_window_loss: ArrayLike = np.float32(0)
   last_window_weight: ArrayLike = np.float32(0)
   noise_scale: Any = None
+  held: Any = None
 
 
-def _flat(state: MultiStepsState) -> tuple[tuple[Any, ...], int]:
-  """The pytree children, less a ``None`` ``noise_scale`` (release 0.1.0's tree)."""
-  children = tuple(state) if state.noise_scale is not None else tuple(state)[:-1]
-  return children, len(children)
+_OPTIONAL = ("noise_scale", "held")  # Not nodes where None: 0.1.0's tree.
+_REQUIRED = len(MultiStepsState._fields) - len(_OPTIONAL)
 
 
-def _children(state: MultiStepsState) -> tuple[tuple[Any, ...], int]:
+def _flat(state: MultiStepsState) -> tuple[tuple[Any, ...], tuple[str, ...]]:
+  """The pytree children, less the optional fields that are ``None``."""
+  names = tuple(n for n in _OPTIONAL if getattr(state, n) is not None)
+  return (*state[:_REQUIRED], *(getattr(state, n) for n in names)), names
+
+
+def _children(state: MultiStepsState) -> tuple[tuple[Any, ...], tuple[str, ...]]:
   """:func:`_flat`'s children with their keys (the fields' names)."""
-  children, count = _flat(state)
-  keys = map(jax.tree_util.GetAttrKey, MultiStepsState._fields[:count])
-  return tuple(zip(keys, children, strict=True)), count
+  children, names = _flat(state)
+  keys = map(jax.tree_util.GetAttrKey, (*MultiStepsState._fields[:_REQUIRED], *names))
+  return tuple(zip(keys, children, strict=True)), names
 
 
-def _from_children(count: int, children: Any) -> MultiStepsState:
-  del count
-  return MultiStepsState(*children)
+def _from_children(names: tuple[str, ...], children: Any) -> MultiStepsState:
+  children = tuple(children)
+  optional = dict(zip(names, children[_REQUIRED:], strict=True))
+  return MultiStepsState(*children[:_REQUIRED], **optional)
 
 
 jax.tree_util.register_pytree_with_keys(
@@ -244,4 +253,16 @@ def check_single_accumulation(inner_state: Any) -> None:
       "The optimizer already accumulates (a MultiSteps inside it): its windows "
       "would be windows of windows, and the update count wrong. Pass the "
       "accumulator itself, one optax_accum.MultiSteps, to make_train_step."
+    )
+
+
+def check_not_holding(state: Any, where: str) -> None:
+  """``ValueError`` where ``state`` holds a streamed coupled window's micro-batches."""
+  held = getattr(state, "held", None)
+  if isinstance(state, MultiStepsState) and held is not None:
+    raise ValueError(
+      f"`opt_state` holds {len(held)} micro-batches of a streamed CoupledLoss "
+      f"window (its `held` field), which {where} cannot run: only a streaming "
+      "step on that CoupledLoss ends the window. Pass the state back to it, "
+      "or give this call a state from before or after that window."
     )

@@ -15,6 +15,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._core._multi_steps import MultiSteps, MultiStepsState
+from optax_accum._core._state import check_not_holding
+from optax_accum._step._explained import check_counts_keys, check_state
 from optax_accum._step._layouts import is_traced
 
 
@@ -92,26 +94,44 @@ def cotangents(
 
   (loss, weight), joined = jax.value_and_grad(window_loss, has_aux=True)(_joined(z))
   k = jax.tree.leaves(window)[0].shape[0]
+  shares = weight_shares(weight, k)
+  total = jnp.asarray(weight, shares.dtype)
   return {
     "cotangent": jax.tree.map(split_like, joined, z),
     "loss": jnp.broadcast_to(loss, (k,)),
-    "weight": jnp.broadcast_to(jnp.asarray(weight, jnp.result_type(loss)), (k,)),
+    "weight": shares,
+    "scale": jnp.where(shares > 0, total / jnp.where(shares > 0, shares, 1), k),
   }
 
 
-def surrogate(coupled: CoupledLoss, k: int) -> Callable[..., Any]:
-  """Pass 2's loss on ``{"batch", "cotangent", "loss", "weight"}``: term
-  ``"window"`` of value ``L``, weight ``W / k`` and gradient ``k`` times the VJP,
-  so the window's weighted mean of the ``k`` gradients is ``dL/dparams``."""
+def weight_shares(weight: Any, k: int) -> jax.Array:
+  """``k`` shares of ``weight`` that the accumulator, adding them in order, sums
+  to ``weight`` exactly: ``weight / k`` each, the last ``weight`` less the sum
+  of the others (exact: that sum is within a factor 2 of ``weight``). float32
+  at least, never the loss's bfloat16."""
+  dtype = jnp.promote_types(jnp.result_type(weight), jnp.float32)
+  total = jnp.asarray(weight, dtype)
+  share = total / k
+  added = jnp.zeros([], dtype)
+  for _ in range(k - 1):  # As the accumulator adds them.
+    added = added + share
+  return jnp.concatenate([jnp.full((k - 1,), share, dtype), (total - added)[None]])
+
+
+def surrogate(coupled: CoupledLoss) -> Callable[..., Any]:
+  """Pass 2's loss on ``{"batch", "cotangent", "loss", "weight", "scale"}``: term
+  ``"window"`` of value ``L``, weight ``w_i`` (shares summing to ``W``) and
+  gradient ``W / w_i`` times the VJP, so the window's weighted mean of the
+  ``k`` gradients is ``dL/dparams``."""
 
   def loss_fn(params: Any, micro: Any, *key: Any) -> Any:
     z = coupled.represent(params, micro["batch"], *key)
     products = jax.tree.map(lambda c, zi: jnp.sum(c * zi), micro["cotangent"], z)
     dot = sum(jax.tree.leaves(products))
-    value = jax.lax.stop_gradient(micro["loss"]) + k * (
+    value = jax.lax.stop_gradient(micro["loss"]) + micro["scale"] * (
       dot - jax.lax.stop_gradient(dot)
     )
-    terms = {"window": (value, micro["weight"] / k)}
+    terms = {"window": (value, micro["weight"])}
     if coupled.loss_fn is not None:
       terms["examples"] = coupled.loss_fn(params, micro["batch"], *key)
     return terms
@@ -126,6 +146,13 @@ def coupled_optimizer(coupled: CoupledLoss, optimizer: MultiSteps) -> MultiSteps
     raise ValueError(
       f"A CoupledLoss sets the loss terms itself, {coupled.terms}: build the "
       f"MultiSteps without terms= (it has {config.terms})."
+    )
+  if config.should_skip_update_fn is not None:
+    raise ValueError(
+      "A CoupledLoss takes no should_skip_update_fn: every micro-batch's "
+      "gradient is a part of one window's loss, so rejecting one would apply "
+      "a partial window. Build the MultiSteps without it (a non-finite window "
+      "is skipped whole: on_nonfinite='skip_window')."
     )
   if config.grad_reduction != "mean" or config.on_nonfinite != "skip_window":
     raise ValueError(
@@ -159,7 +186,9 @@ def check_coupled(has_aux: bool, axis_name: Any) -> None:
 
 class CoupledStep:
   """A train step on a :class:`CoupledLoss`: pass 1, then a scan-mode step on the
-  surrogate, in one program; streaming, it holds a window's micro-batches."""
+  surrogate, in one program. Streaming, each call but a window's last puts a
+  device copy of its micro-batch in the state's ``held``; the last runs them
+  all as one window."""
 
   def __init__(
     self,
@@ -172,16 +201,10 @@ class CoupledStep:
     self.coupled = coupled
     self.mode = mode
     self._optimizer = coupled_optimizer(coupled, optimizer)
-    self._build = build
-    self._inner: dict[int, Any] = {}
-    self._program = jax.jit(self._both_passes, donate_argnums=(0, 1) if donate else ())
-    self._held: list[Any] = []
-
-  def inner(self, k: int) -> Any:
-    """The train step for windows of ``k`` micro-batches."""
-    if k not in self._inner:
-      self._inner[k] = self._build(surrogate(self.coupled, k), self._optimizer)
-    return self._inner[k]
+    self._step = build(surrogate(coupled), self._optimizer)
+    donated = (0, 1) if donate else ()
+    self._program = jax.jit(self._both_passes, donate_argnums=donated)
+    self._held_program = jax.jit(self._held_window, donate_argnums=donated)
 
   @property
   def optimizer(self) -> MultiSteps:
@@ -190,7 +213,7 @@ class CoupledStep:
 
   def init(self, params: optax.Params) -> MultiStepsState:
     """The state to start from, laid out as the window's step keeps it."""
-    return self.inner(1).init(params)
+    return self._step.init(params)
 
   def _keys(self, opt_state: Any, k: int, rng: Any) -> Any:
     """The keys pass 2 gives the window's micro-batches, for pass 1 too."""
@@ -220,6 +243,8 @@ class CoupledStep:
       raise ValueError(
         "`end_window` is for streaming: in scan mode every call ends a window."
       )
+    check_not_holding(opt_state, "a scan-mode step")
+    check_counts_keys(opt_state, rng)
     return self._program(params, opt_state, batch, rng)
 
   def _both_passes(
@@ -229,29 +254,38 @@ class CoupledStep:
     k = jax.tree.leaves(batch)[0].shape[0]
     keys = self._keys(opt_state, k, rng)
     window = {"batch": batch, **cotangents(self.coupled, params, batch, keys)}
-    return self.inner(k)(params, opt_state, window, rng)
+    return self._step(params, opt_state, window, rng)
+
+  def _held_window(
+    self, params: Any, opt_state: Any, held: tuple[Any, ...], rng: Any
+  ) -> tuple[Any, Any, Any]:
+    """A streamed window's micro-batches, stacked, as one window."""
+    window = jax.tree.map(lambda *x: jnp.stack(x), *held)
+    return self._both_passes(params, opt_state, window, rng)
 
   def _streamed(
     self, params: Any, opt_state: Any, micro_batch: Any, rng: Any, end_window: Any
   ) -> tuple[Any, Any, Any]:
-    """One micro-batch: held, or the window it ends run as in scan mode."""
-    if is_traced(micro_batch):
+    """One micro-batch: held in the state, or the window it ends run whole."""
+    if is_traced(micro_batch, end_window):
       raise ValueError(
         "A streaming step on a CoupledLoss holds micro-batches between calls, "
         "which a trace cannot: in your own jit or scan use mode='scan'."
       )
-    self._held.append(micro_batch)
-    if len(self._held) < self._window_size(opt_state) and not bool(end_window):
+    given = getattr(opt_state, "held", None) or ()
+    state = opt_state._replace(held=None) if given else opt_state
+    check_state(state)
+    _check_like(micro_batch, given)
+    held = (*given, _device_copy(micro_batch))
+    if len(held) < self._window_size(state) and not bool(end_window):
       # Nothing is computed before the window's last (its loss comes with it).
-      held = {
-        "micro_steps": jnp.int32(len(self._held)),
+      metrics = {
+        "micro_steps": jnp.int32(len(held)),
         "updated": jnp.bool_(False),
-        "update_count": getattr(opt_state, "gradient_step", jnp.int32(0)),
+        "update_count": state.gradient_step,
       }
-      return params, opt_state, held
-    window = jax.tree.map(lambda *x: jnp.stack(x), *self._held)
-    self._held = []
-    return self._window(params, opt_state, window, rng)
+      return params, state._replace(held=held), metrics
+    return self._held_program(params, state, held, rng)
 
   def _window_size(self, opt_state: Any) -> int:
     """The window's ``k``: the constant, else read from the state (a device wait)."""
@@ -265,3 +299,33 @@ class CoupledStep:
   ) -> jax.stages.Lowered:
     """The window's program (both passes), lowered: for XLA's figures."""
     return self._program.lower(params, opt_state, batch, rng)
+
+
+@jax.jit
+def _device_copy(tree: Any) -> Any:
+  """The caller's micro-batch, copied: a loader may refill its buffers."""
+  return jax.tree.map(jnp.copy, tree)
+
+
+def _check_like(micro_batch: Any, held: tuple[Any, ...]) -> None:
+  """``ValueError`` naming the leaf where ``micro_batch`` is unlike the window's
+  first (a window stacks its micro-batches)."""
+  if not held:
+    return
+  first = jax.tree_util.tree_flatten_with_path(held[0])
+  given = jax.tree_util.tree_flatten_with_path(micro_batch)
+  if first[1] != given[1]:
+    raise ValueError(
+      f"micro-batch {len(held)} of this coupled window has the tree "
+      f"{given[1]}, the window's first {first[1]}: a window stacks its "
+      "micro-batches, so each must have the same leaves."
+    )
+  for (path, a), (_, b) in zip(first[0], given[0], strict=True):
+    if (jnp.shape(a), jnp.result_type(a)) != (jnp.shape(b), jnp.result_type(b)):
+      raise ValueError(
+        f"micro-batch {len(held)} of this coupled window has leaf "
+        f"{jax.tree_util.keystr(path)} of shape {jnp.shape(b)} and dtype "
+        f"{jnp.result_type(b)}, the window's first {jnp.shape(a)} and "
+        f"{jnp.result_type(a)}: a window stacks its micro-batches. Pad every "
+        "micro-batch to one shape (padding rows weigh 0 in window_loss)."
+      )

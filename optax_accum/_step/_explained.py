@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import jax
 
-from optax_accum._core._state import MultiStepsState
+from optax_accum._core._state import MultiStepsState, check_not_holding
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -68,7 +68,7 @@ def check_not_donated(**trees: Any) -> None:
 
 def check_restored(opt_state: Any) -> None:
   """``ValueError`` if ``opt_state`` is a checkpoint restored without a target."""
-  fields = set(MultiStepsState._fields) - {"noise_scale"}  # Only when measuring.
+  fields = set(MultiStepsState._fields) - {"noise_scale", "held"}  # Optional.
   if isinstance(opt_state, dict) and fields <= set(opt_state):
     raise ValueError(
       "`opt_state` is a dict with the fields of a MultiStepsState: a checkpoint "
@@ -80,8 +80,10 @@ def check_restored(opt_state: Any) -> None:
 
 
 def check_state(opt_state: Any) -> None:
-  """``ValueError`` unless ``opt_state`` is a :class:`MultiStepsState`."""
+  """``ValueError`` unless ``opt_state`` is a :class:`MultiStepsState` that
+  holds no streamed coupled window."""
   if isinstance(opt_state, MultiStepsState):
+    check_not_holding(opt_state, "this train step")
     return
   check_restored(opt_state)
   raise ValueError(
@@ -90,3 +92,14 @@ def check_state(opt_state: Any) -> None:
     "also the inner optimizer's own tx.init(params)), got "
     f"{type(opt_state).__module__}.{type(opt_state).__qualname__}."
   )
+
+
+def check_counts_keys(opt_state: Any, rng: Any) -> None:
+  """``ValueError`` for ``rng`` with a state that counts no micro-batches (the
+  inner optimizer's own): every window would draw the same keys."""
+  if rng is not None and not isinstance(opt_state, MultiStepsState):
+    raise ValueError(
+      "`rng` needs a state that counts the run's micro-batches, and the inner "
+      "optimizer's own state (tx.init(params)) counts none: every window "
+      "would draw the same keys. Start from step.init(params)."
+    )

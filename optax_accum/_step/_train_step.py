@@ -17,8 +17,14 @@ from optax_accum._core._multi_steps import EveryKSchedule, MultiSteps, MultiStep
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import check_single_accumulation
 from optax_accum._core._transitions import with_window
+from optax_accum._progress import get_update_count
 from optax_accum._step._coupled import CoupledLoss, CoupledStep, check_coupled
-from optax_accum._step._explained import check_restored, check_state, explained
+from optax_accum._step._explained import (
+  check_counts_keys,
+  check_restored,
+  check_state,
+  explained,
+)
 from optax_accum._step._known import UNKNOWN, Known
 from optax_accum._step._layout import ONE_SUM, Layout
 from optax_accum._step._layouts import Layouts, avals, is_traced
@@ -156,9 +162,16 @@ class TrainStep:
       )
     check_restored(opt_state)
     if isinstance(opt_state, MultiStepsState):
+      check_state(opt_state)
       return self._scanned(params, opt_state, batch, rng)
+    check_counts_keys(opt_state, rng)
     params, state, layout = self._own_window(params, opt_state, batch, rng)
+    count = _update_count(opt_state)
+    if count is not None:  # The inner state's own count, as the metric's.
+      state = state._replace(gradient_step=count)
     params, state, metrics_ = self._run_update(params, state, batch, rng, layout=layout)
+    if count is None:  # Nothing counts updates: no metric rather than 1 each window.
+      metrics_.pop("update_count")
     return params, state.inner_opt_state, metrics_
 
   def _scanned(
@@ -343,6 +356,14 @@ class TrainStep:
     config = self._bodies.config
     metrics_ = metrics(config, state, state, loss, grad_norm, learning_rate)
     return params, state, self._metrics(out._replace(metrics=metrics_))
+
+
+def _update_count(inner: Any) -> jax.Array | None:
+  """The update count an inner optimizer's state keeps, if any (int32)."""
+  try:
+    return jnp.asarray(get_update_count(inner), jnp.int32)
+  except ValueError:
+    return None
 
 
 def _accumulator(
