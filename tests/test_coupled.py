@@ -613,3 +613,144 @@ def test_a_windows_weight_is_exact(k):
   _, state, metrics = step(params, step.init(params), window)
   assert float(metrics["weight"]) == 1001.0
   assert float(state.last_window_weight) == 1001.0
+
+
+# -- big_vision's SigLIP, ported as its trainer writes it ------------------------
+
+
+def siglip_represent(params, batch):
+  """The towers and big_vision's ``extras``: ``t`` and ``b`` are params of the
+  loss, window-level leaves (no row axis)."""
+  zimg = _unit(jnp.tanh(batch["image"] @ params["img"]))
+  ztxt = _unit(jnp.tanh(batch["text"] @ params["txt"]))
+  return zimg, ztxt, {"t": jnp.exp(params["t"]), "b": params["b"]}
+
+
+def siglip_loss(z, batch):
+  """big_vision's ``trainers/proj/image_text/siglip.py`` loss, line for line."""
+  del batch
+  zimg, ztxt, extras = z
+  logits = jnp.dot(zimg, ztxt.T)
+  logits = logits * extras["t"] + extras["b"]
+  eye = jnp.eye(zimg.shape[0], dtype=logits.dtype)
+  m1_diag1 = -jnp.ones_like(logits) + 2 * eye
+  loglik = jax.nn.log_sigmoid(m1_diag1 * logits)
+  nll = -jnp.sum(loglik, axis=-1)
+  return jnp.mean(nll), zimg.shape[0]
+
+
+SIGLIP = optax_accum.CoupledLoss(siglip_represent, siglip_loss)
+
+
+def _siglip_params(dtype):
+  rng = np.random.default_rng(1)
+  return {
+    "img": jnp.asarray(rng.normal(size=(IMAGE, DIM)), dtype),
+    "txt": jnp.asarray(rng.normal(size=(TEXT, DIM)), dtype),
+    "t": jnp.asarray(np.log(10.0), dtype),
+    "b": jnp.asarray(-10.0, dtype),
+  }
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["float32", "float64"])
+def test_siglip_with_its_temperature_and_bias_as_params_is_the_whole_batch(x64):
+  """Issue 60: a scalar leaf of ``represent`` crashed; ``t`` and ``b`` get the
+  whole batch's gradient, streaming and in scan mode."""
+  k, tol = 4, 1e-12 if x64 else 1e-5
+  with jax.enable_x64(x64):
+    dtype = jnp.float64 if x64 else jnp.float32
+    params, batch = _siglip_params(dtype), _clip_batch(dtype)
+    whole = jax.grad(SIGLIP.whole_batch)(params, batch)
+    assert float(jnp.abs(whole["t"])) > 0 and float(jnp.abs(whole["b"])) > 0
+    window, _ = _window_gradient(SIGLIP, params, batch, k)
+    assert _rel(window, whole) <= tol
+    step = optax_accum.make_train_step(SIGLIP, optax.sgd(1.0), every_k_schedule=k)
+    micro = [jax.tree.map(lambda x, i=i: x[i::k], batch) for i in range(k)]
+    start = jax.tree.map(jnp.copy, params), step.init(params)
+    moved, _, metrics = _streamed(step, *start, micro)
+    assert bool(metrics["updated"])
+    stacked = jax.tree.map(lambda *x: jnp.concatenate(x), *micro)  # Rows reordered.
+    streamed_whole = jax.grad(SIGLIP.whole_batch)(params, stacked)
+    assert _rel(jax.tree.map(jnp.subtract, params, moved), streamed_whole) <= tol
+
+
+def test_whole_batch_takes_the_key_represent_takes():
+  def represent(params, batch, key):
+    noise = 1 + 0.1 * jax.random.normal(key, batch["image"].shape)
+    return clip_represent(params, {**batch, "image": batch["image"] * noise})
+
+  coupled = optax_accum.CoupledLoss(represent, info_nce)
+  params, batch = _clip_params(jnp.float32), _clip_batch(jnp.float32)
+  key = jax.random.key(0)
+  loss = coupled.whole_batch(params, batch, key)
+  assert float(loss) == float(info_nce(represent(params, batch, key), batch)[0])
+
+
+# -- coupled losses under axis_name ---------------------------------------------
+
+
+def _per_device(tree, devices=8):
+  """A scan-mode window's rows split over ``devices``, the device axis first."""
+  return jax.tree.map(
+    lambda x: x.reshape(x.shape[0], devices, -1, *x.shape[2:]).swapaxes(0, 1), tree
+  )
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["float32", "float64"])
+def test_a_coupled_loss_under_axis_name_is_the_whole_batch(x64):
+  """Issue 60: refused before. Each replica gathers the window's
+  representations, takes its own rows' cotangents, and the step sums once:
+  in your shard_map, through the step's axis_name under plain jit, and in
+  pmap (SigLIP, t and b included)."""
+  k, tol = 2, 1e-12 if x64 else 1e-5
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  with jax.enable_x64(x64):
+    dtype = jnp.float64 if x64 else jnp.float32
+    params, batch = _siglip_params(dtype), _clip_batch(dtype)
+    window = optax_accum.split_micro_batches(batch, k)
+    whole = jax.grad(SIGLIP.whole_batch)(params, batch)
+    step = optax_accum.make_train_step(
+      SIGLIP, optax.sgd(1.0), mode="scan", axis_name="data", donate=False
+    )
+    state = step.init(params)
+    mapped = jax.jit(
+      jax.shard_map(
+        step, mesh=mesh, in_specs=(P(), P(), P(None, "data")), out_specs=P()
+      )
+    )
+    moved = {"shard_map": mapped(params, state, window)}
+    on_mesh = jax.device_put(window, NamedSharding(mesh, P(None, "data")))
+    moved["axis_name"] = step(params, state, on_mesh)
+    with jax.set_mesh(mesh):  # In your own jit, the mesh is the context's.
+      moved["axis_name in jit"] = jax.jit(step)(params, state, on_mesh)
+    pmapped = jax.pmap(step, axis_name="data", in_axes=(None, None, 0))
+    moved["pmap"] = jax.tree.map(
+      lambda x: x[0], pmapped(params, state, _per_device(window))
+    )
+    for name, (p, _, metrics) in moved.items():
+      assert _rel(jax.tree.map(jnp.subtract, params, p), whole) <= tol, name
+      assert float(metrics["weight"]) == ROWS, name
+
+
+def test_the_coupled_steps_messages_name_the_cause():
+  """Issue 60: a TrainState for params, a bare scalar window loss and a donated
+  buffer reused gave Flax's, JAX's and XLA's raw errors."""
+  from flax.training.train_state import TrainState
+
+  params, batch = _clip_params(jnp.float32), _clip_batch(jnp.float32)
+  window = optax_accum.split_micro_batches(batch, 2)
+  step = optax_accum.make_train_step(CLIP, optax.sgd(0.1), mode="scan")
+  whole = TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+  with pytest.raises(ValueError, match=r"`params` is a TrainState"):
+    step(whole, step.init(params), window)
+  bare = optax_accum.CoupledLoss(clip_represent, lambda z, b: info_nce(z, b)[0])
+  bare_step = optax_accum.make_train_step(bare, optax.sgd(0.1), mode="scan")
+  with pytest.raises(
+    ValueError, match=r"must return \(loss, weight\).*got float32\[\]"
+  ):
+    bare_step(params, bare_step.init(params), window)
+  given = jax.tree.map(jnp.copy, params)
+  state = step.init(given)
+  step(given, state, window)
+  with pytest.raises(ValueError, match=r"`params` leaf \['image'\] was deleted"):
+    step(given, step.init(params), window)

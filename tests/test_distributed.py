@@ -361,6 +361,37 @@ def test_train_step_axis_name_must_agree_with_the_optimizer():
     optax_accum.make_train_step(toy_lm.mean_loss, opt, axis_name="batch")
 
 
+@pytest.mark.parametrize("mode", ["stream", "scan"])
+@pytest.mark.parametrize(
+  "change, message",
+  [
+    ("renamed", r"`params` is missing leaf \['head'\]\['bias'\] present in"),
+    ("removed", r"`params` has leaf \['head'\]\['b'\] that"),
+  ],
+  ids=["renamed", "removed"],
+)
+def test_a_per_replica_state_of_other_params_names_the_leaf(mode, change, message):
+  """A PerReplica state of other params (a leaf renamed or removed) on a mesh
+  raised JAX's pytree-structure error; now the leaf and the fix, as on one
+  device."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AUTO,))
+  opt = optax_accum.MultiSteps(optax.sgd(0.1), 2)
+  step = optax_accum.make_train_step(toy_lm.mean_loss, opt, mode=mode, axis_name="data")
+  params = jax.device_put(toy_lm.init_params(seed=0), NamedSharding(mesh, P()))
+  head = dict(params["head"])
+  bias = head.pop("b")
+  if change == "renamed":
+    head["bias"] = bias
+  state = step.init({**params, "head": head})
+  assert isinstance(state.acc_grads, optax_accum.PerReplica)
+  window = toy_lm.split(_uneven_batch(seed=0, batch=16), 2)
+  mb = jax.tree.map(lambda *x: np.stack(x), *window) if mode == "scan" else window[0]
+  spec = P(None, "data") if mode == "scan" else P("data")
+  batch = jax.device_put(mb, NamedSharding(mesh, spec))
+  with pytest.raises(ValueError, match=message + r".*starts from step\.init\(params\)"):
+    step(params, state, batch)
+
+
 def test_split_micro_batches_keeps_rows_on_their_devices():
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AUTO,))
   batch = jax.device_put(_uneven_batch(seed=0), NamedSharding(mesh, P("data")))

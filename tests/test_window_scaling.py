@@ -32,6 +32,23 @@ def test_at_the_reference_weight_it_is_optax_adamw():
   np.testing.assert_allclose(got["w"], want["w"], rtol=1e-6)
 
 
+def test_at_the_reference_weight_float64_is_optax_adamw_to_float64_rounding():
+  """Float64 params give float64 arithmetic throughout: the decays, their logs,
+  the bias corrections and the learning rate's factor."""
+  with jax.enable_x64(True):
+    ours = optax_accum.adamw_in_items(1e-2, weight_decay=1e-3, reference_weight=64)
+    theirs = optax.with_extra_args_support(optax.adamw(1e-2, weight_decay=1e-3))
+    params = {"w": jnp.ones((3, 2), jnp.float64)}
+    state_ours, state_theirs = ours.init(params), theirs.init(params)
+    for g in _grads(10):
+      g = jax.tree.map(lambda x: x.astype(jnp.float64), g)
+      got, state_ours = ours.update(g, state_ours, params, window_weight=64.0)
+      want, state_theirs = theirs.update(g, state_theirs, params)
+      assert got["w"].dtype == jnp.float64
+      np.testing.assert_allclose(got["w"], want["w"], rtol=1e-12, atol=0)
+      params = optax.apply_updates(params, want)
+
+
 def test_moments_decay_per_item():
   """Windows of twice the items decay the moments as two windows of the
   reference do: the half-lives count items."""

@@ -27,14 +27,23 @@ from jax.typing import ArrayLike
 from optax_accum._core._multi_steps import WINDOW_WEIGHT
 
 
-def _ratio(extra_args: dict[str, Any], reference_weight: Any) -> jax.Array:
-  """:math:`\\kappa`: the window's weight over the reference's (1 without
-  ``window_weight``)."""
+def _scalar_dtype(tree: Any) -> np.dtype:
+  """The dtype of the scalar arithmetic: float64 if a leaf is, else float32
+  (also under bfloat16 leaves)."""
+  wide = any(jnp.result_type(x) == jnp.float64 for x in jax.tree.leaves(tree))
+  return np.dtype(jnp.float64 if wide else jnp.float32)
+
+
+def _ratio(
+  extra_args: dict[str, Any], reference_weight: Any, dtype: np.dtype
+) -> jax.Array:
+  """:math:`\\kappa` in ``dtype``: the window's weight over the reference's (1
+  without ``window_weight``)."""
   weight = extra_args.get(WINDOW_WEIGHT)
   if weight is None:
-    return jnp.ones([], jnp.float32)
-  ratio = jnp.asarray(weight, jnp.float32) / jnp.asarray(reference_weight, jnp.float32)
-  return jnp.where(jnp.isfinite(ratio) & (ratio > 0), ratio, jnp.float32(1))
+    return jnp.ones([], dtype)
+  ratio = jnp.asarray(weight, dtype) / jnp.asarray(reference_weight, dtype)
+  return jnp.where(jnp.isfinite(ratio) & (ratio > 0), ratio, jnp.ones([], dtype))
 
 
 def _check_reference(reference_weight: Any) -> Any:
@@ -59,10 +68,11 @@ class ScaleByAdamInItemsState(NamedTuple):
     updates: int32 ``[]``. Updates so far.
     mu: Like params. The first moment.
     nu: Like params. The second moment.
-    log_decay1: float32 ``[]``. The log of the product of the first moment's
-      decays so far (its bias correction is ``1 - exp(log_decay1)``, computed
-      as ``-expm1``: exact for decays close to 1).
-    log_decay2: float32 ``[]``. Likewise for the second moment.
+    log_decay1: float32 ``[]`` (float64 for float64 params). The log of the
+      product of the first moment's decays so far (its bias correction is
+      ``1 - exp(log_decay1)``, computed as ``-expm1``: exact for decays close
+      to 1).
+    log_decay2: Like ``log_decay1``. Likewise for the second moment.
   """
 
   updates: jax.Array
@@ -103,7 +113,7 @@ def scale_by_adam_in_items(
   reference_weight = _check_reference(reference_weight)
 
   def init(params: optax.Params) -> ScaleByAdamInItemsState:
-    zero = jnp.zeros([], jnp.float32)
+    zero = jnp.zeros([], _scalar_dtype(params))
     mu, nu = optax.tree.zeros_like(params), optax.tree.zeros_like(params)
     return ScaleByAdamInItemsState(jnp.zeros([], jnp.int32), mu, nu, zero, zero + 0)
 
@@ -114,10 +124,11 @@ def scale_by_adam_in_items(
     **extra_args: Any,
   ) -> tuple[optax.Updates, ScaleByAdamInItemsState]:
     del params
-    ratio = _ratio(extra_args, reference_weight)
+    dtype = state.log_decay1.dtype
+    ratio = _ratio(extra_args, reference_weight, dtype)
     # Each decay as a log, its complement by expm1: exact however close to 1.
-    log1 = ratio * jnp.log(jnp.asarray(b1, jnp.float32))
-    log2 = ratio * jnp.log(jnp.asarray(b2, jnp.float32))
+    log1 = ratio * jnp.log(jnp.asarray(b1, dtype))
+    log2 = ratio * jnp.log(jnp.asarray(b2, dtype))
     log_decay1, log_decay2 = state.log_decay1 + log1, state.log_decay2 + log2
 
     def moment(g: jax.Array, m: jax.Array, log: jax.Array, power: int) -> jax.Array:
@@ -159,7 +170,8 @@ def scale_by_window_weight(
     updates: optax.Updates, state: Any, params: Any = None, **extra_args: Any
   ) -> tuple[optax.Updates, Any]:
     del params
-    factor = _ratio(extra_args, reference_weight) ** jnp.asarray(power, jnp.float32)
+    dtype = _scalar_dtype(updates)
+    factor = _ratio(extra_args, reference_weight, dtype) ** jnp.asarray(power, dtype)
     return jax.tree.map(lambda u: u * factor.astype(jnp.result_type(u)), updates), state
 
   return optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), update)

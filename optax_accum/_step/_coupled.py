@@ -14,9 +14,15 @@ import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from optax_accum._core import _checks, _reduction
 from optax_accum._core._multi_steps import MultiSteps, MultiStepsState
 from optax_accum._core._state import check_not_holding
-from optax_accum._step._explained import check_counts_keys, check_state
+from optax_accum._step._explained import (
+  check_counts_keys,
+  check_not_a_train_state,
+  check_state,
+  explained,
+)
 from optax_accum._step._layouts import is_traced
 
 
@@ -48,11 +54,13 @@ class CoupledLoss(NamedTuple):
     with a ``loss_fn``."""
     return ("window",) if self.loss_fn is None else ("window", "examples")
 
-  def whole_batch(self, params: Any, batch: Any) -> jax.Array:
-    """The objective on ``batch`` in one piece: the oracle a window equals."""
-    loss, _ = self.window_loss(self.represent(params, batch), batch)
+  def whole_batch(self, params: Any, batch: Any, key: Any = None) -> jax.Array:
+    """The objective on ``batch`` in one piece: the oracle a window equals
+    (``key`` for a ``represent`` and ``loss_fn`` that take one)."""
+    keys = () if key is None else (key,)
+    loss, _ = self.window_loss(self.represent(params, batch, *keys), batch)
     if self.loss_fn is not None:
-      loss = loss + self.loss_fn(params, batch)[0]
+      loss = loss + self.loss_fn(params, batch, *keys)[0]
     return loss
 
 
@@ -65,52 +73,101 @@ def _on_a_mesh(x: Any) -> bool:
 
 
 def _joined(tree: Any) -> Any:
-  """Leaves ``(k, rows, ...)`` as ``(k * rows, ...)``; on a mesh gathered, so the
-  window loss sees every row."""
+  """Leaves ``(k, rows, ...)`` as ``(k * rows, ...)``, a window-level leaf ``(k,)``
+  as its first micro-batch's; on a mesh gathered, so the loss sees every row."""
 
   def join(x: Any) -> Any:
+    if x.ndim == 1:
+      return x[0]
     shape = (x.shape[0] * x.shape[1], *x.shape[2:])
     return jnp.reshape(x, shape, out_sharding=P() if _on_a_mesh(x) else None)
 
   return jax.tree.map(join, tree)
 
 
+def _gathered(tree: Any, axes: tuple[str, ...]) -> Any:
+  """Each row leaf ``(k, rows, ...)`` with every replica's rows, in replica order."""
+
+  def gather(x: Any) -> Any:
+    return x if x.ndim < 2 else jax.lax.all_gather(x, axes, axis=1, tiled=True)
+
+  return jax.tree.map(gather, tree) if axes else tree
+
+
+def _own(c: Any, x: Any, axes: tuple[str, ...]) -> Any:
+  """The cotangent ``c`` (gathered, joined) cut to ``x``'s micro-batches and this
+  replica's rows; a window-level leaf's whole on the first micro-batch of the
+  first replica (its gradient is counted once)."""
+  first = jnp.ones([], jnp.bool_)
+  if axes:
+    first = _reduction.replica_index(axes) == 0
+  if x.ndim == 1:
+    return jnp.zeros_like(x).at[0].set(jnp.where(first, c, 0))
+  rows = x.shape[1]
+  c = c.reshape(x.shape[0], -1, *x.shape[2:])
+  if axes:
+    start = _reduction.replica_index(axes) * rows
+    c = jax.lax.dynamic_slice_in_dim(c, start, rows, axis=1)
+  return jax.sharding.reshard(c, jax.typeof(x).sharding) if _on_a_mesh(x) else c
+
+
 def cotangents(
-  coupled: CoupledLoss, params: Any, window: Any, keys: Any = None
+  coupled: CoupledLoss,
+  params: Any,
+  window: Any,
+  keys: Any = None,
+  axes: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-  """Pass 1: the cotangents ``dL/dz_i``, and ``L`` and its weight broadcast to ``k``."""
+  """Pass 1: the cotangents ``dL/dz_i`` of this replica's rows, ``L`` broadcast
+  to ``k``, and the weight shares and scales of :func:`surrogate`."""
 
   def represent(args: Any) -> Any:
     return coupled.represent(params, *args)
 
   z = jax.lax.map(represent, (window,) if keys is None else (window, keys))
+  batch = _joined(_gathered(window, axes))
 
   def window_loss(z_joined: Any) -> tuple[jax.Array, jax.Array]:
-    return coupled.window_loss(z_joined, _joined(window))
+    out = coupled.window_loss(z_joined, batch)
+    if not (isinstance(out, tuple) and len(out) == 2):
+      raise ValueError(
+        "`window_loss` must return (loss, weight): the window's loss and the "
+        "number of items it averages over; got "
+        f"{jax.typeof(out) if hasattr(out, 'dtype') else type(out).__name__}."
+      )
+    return out
 
-  def split_like(c: Any, x: Any) -> Any:  # Cut back into ``x``'s micro-batches.
-    out = c.reshape(x.shape)
-    return jax.sharding.reshard(out, jax.typeof(x).sharding) if _on_a_mesh(x) else out
-
-  (loss, weight), joined = jax.value_and_grad(window_loss, has_aux=True)(_joined(z))
+  z_all = _joined(_gathered(z, axes))
+  if axes:  # Varying, or the loss's gradient would come back summed over them.
+    z_all = jax.tree.map(lambda x: _reduction.varying_over(x, axes), z_all)
+  (loss, weight), grads = jax.value_and_grad(window_loss, has_aux=True)(z_all)
   k = jax.tree.leaves(window)[0].shape[0]
-  shares = weight_shares(weight, k)
+  replicas = _replicas(axes)
+  shares = weight_shares(weight, k, replicas)
   total = jnp.asarray(weight, shares.dtype)
   return {
-    "cotangent": jax.tree.map(split_like, joined, z),
+    "cotangent": jax.tree.map(lambda c, x: _own(c, x, axes), grads, z),
     "loss": jnp.broadcast_to(loss, (k,)),
     "weight": shares,
     "scale": jnp.where(shares > 0, total / jnp.where(shares > 0, shares, 1), k),
   }
 
 
-def weight_shares(weight: Any, k: int) -> jax.Array:
-  """``k`` shares of ``weight`` that the accumulator, adding them in order, sums
-  to ``weight`` exactly: ``weight / k`` each, the last ``weight`` less the sum
-  of the others (exact: that sum is within a factor 2 of ``weight``). float32
-  at least, never the loss's bfloat16."""
+def _replicas(axes: tuple[str, ...]) -> int:
+  count = 1
+  for axis in axes:
+    count *= jax.lax.axis_size(axis)
+  return count
+
+
+def weight_shares(weight: Any, k: int, replicas: int = 1) -> jax.Array:
+  """A replica's ``k`` shares of ``weight``: ``weight / replicas / k`` each, the
+  last that less the sum of the others, so the accumulator, adding them in
+  order, sums them to ``weight / replicas`` exactly (that sum is within a
+  factor 2 of it), and the replicas' sum is ``weight`` (exact for a power of
+  two of replicas). float32 at least, never the loss's bfloat16."""
   dtype = jnp.promote_types(jnp.result_type(weight), jnp.float32)
-  total = jnp.asarray(weight, dtype)
+  total = jnp.asarray(weight, dtype) / replicas
   share = total / k
   added = jnp.zeros([], dtype)
   for _ in range(k - 1):  # As the accumulator adds them.
@@ -160,11 +217,6 @@ def coupled_optimizer(coupled: CoupledLoss, optimizer: MultiSteps) -> MultiSteps
       "every micro-batch's gradient depends on the whole window, so none can be "
       "summed or dropped alone."
     )
-  if config.axis_name is not None:
-    raise ValueError(
-      "A CoupledLoss runs under plain jit, where the window's representations "
-      "are global on any mesh: drop axis_name."
-    )
   if config.noise_scale:
     raise ValueError(
       "A CoupledLoss cannot measure the noise scale (noise_scale=True): its "
@@ -174,13 +226,11 @@ def coupled_optimizer(coupled: CoupledLoss, optimizer: MultiSteps) -> MultiSteps
   return optimizer.replace(terms=coupled.terms)
 
 
-def check_coupled(has_aux: bool, axis_name: Any) -> None:
+def check_coupled(has_aux: bool) -> None:
   """``ValueError`` for a train step's settings a :class:`CoupledLoss` cannot take."""
-  if has_aux or axis_name is not None:
+  if has_aux:
     raise ValueError(
-      "A CoupledLoss takes neither has_aux nor axis_name: its window loss "
-      "returns (loss, weight), and under plain jit the window's "
-      "representations are global on any mesh."
+      "A CoupledLoss takes no has_aux: its window loss returns (loss, weight)."
     )
 
 
@@ -212,16 +262,25 @@ class CoupledStep:
     return self._optimizer
 
   def init(self, params: optax.Params) -> MultiStepsState:
-    """The state to start from, laid out as the window's step keeps it."""
+    """The state to start from, laid out as the window's step keeps it (one
+    sum with ``axis_name``: each replica's rows are summed inside a window)."""
+    if self._optimizer.config.axis_name is not None:
+      return self._optimizer.init(params)
     return self._step.init(params)
 
-  def _keys(self, opt_state: Any, k: int, rng: Any) -> Any:
+  def _keys(self, opt_state: Any, k: int, rng: Any, axes: tuple[str, ...]) -> Any:
     """The keys pass 2 gives the window's micro-batches, for pass 1 too."""
     if rng is None:
       return None
     seen = getattr(opt_state, "micro_batches_seen", 0)
-    return jax.vmap(lambda i: jax.random.fold_in(rng, seen + i))(jnp.arange(k))
 
+    def key(i: jax.Array) -> jax.Array:
+      key = jax.random.fold_in(rng, seen + i)
+      return jax.random.fold_in(key, _reduction.replica_index(axes)) if axes else key
+
+    return jax.vmap(key)(jnp.arange(k))
+
+  @explained
   def __call__(
     self,
     params: Any,
@@ -231,6 +290,7 @@ class CoupledStep:
     *,
     end_window: Any = False,
   ) -> tuple[Any, Any, Any]:
+    check_not_a_train_state(params)
     if self.mode == "stream":
       return self._streamed(params, opt_state, batch, rng, end_window)
     return self._window(params, opt_state, batch, rng, end_window)
@@ -245,15 +305,46 @@ class CoupledStep:
       )
     check_not_holding(opt_state, "a scan-mode step")
     check_counts_keys(opt_state, rng)
-    return self._program(params, opt_state, batch, rng)
+    return self._on_mesh(self._program, params, opt_state, batch, rng)
+
+  def _on_mesh(
+    self, program: Any, params: Any, state: Any, batch: Any, rng: Any
+  ) -> Any:
+    """``program`` called under the batch's mesh where ``axis_name`` needs one
+    and the caller set none (the program then maps over it)."""
+    axes = _checks.axes(self._optimizer.config.axis_name)
+    here = jax.sharding.get_abstract_mesh()
+    if not axes or set(axes) <= set(here.axis_names) or is_traced(batch):
+      return program(params, state, batch, rng)
+    mesh = _mesh_of(batch, axes)
+    if mesh is None:
+      raise _no_mesh(axes)
+    with jax.set_mesh(mesh):
+      return program(params, state, batch, rng)
 
   def _both_passes(
     self, params: Any, opt_state: Any, batch: Any, rng: Any
   ) -> tuple[Any, Any, Any]:
-    """Pass 1, then the scan-mode step on the surrogate (traced, so inlined)."""
+    """Pass 1, then the scan-mode step on the surrogate (traced, so inlined);
+    with ``axis_name`` each replica on its own rows, in a ``shard_map`` over the
+    batch's mesh where the caller is in none."""
+    axes = _checks.axes(self._optimizer.config.axis_name)
+    mesh = jax.sharding.get_abstract_mesh()
+    if axes and not set(axes) <= set(mesh.manual_axes):
+      if not set(axes) <= set(mesh.axis_names):
+        raise _no_mesh(axes)
+      specs = (P(), P(), P(None, axes), P())
+      mapped = jax.shard_map(
+        self._both_passes,
+        mesh=mesh,
+        in_specs=specs,
+        out_specs=P(),
+        axis_names=set(axes),
+      )
+      return mapped(params, opt_state, batch, rng)
     k = jax.tree.leaves(batch)[0].shape[0]
-    keys = self._keys(opt_state, k, rng)
-    window = {"batch": batch, **cotangents(self.coupled, params, batch, keys)}
+    keys = self._keys(opt_state, k, rng, axes)
+    window = {"batch": batch, **cotangents(self.coupled, params, batch, keys, axes)}
     return self._step(params, opt_state, window, rng)
 
   def _held_window(
@@ -285,7 +376,7 @@ class CoupledStep:
         "update_count": state.gradient_step,
       }
       return params, state._replace(held=held), metrics
-    return self._held_program(params, state, held, rng)
+    return self._on_mesh(self._held_program, params, state, held, rng)
 
   def _window_size(self, opt_state: Any) -> int:
     """The window's ``k``: the constant, else read from the state (a device wait)."""
@@ -301,6 +392,27 @@ class CoupledStep:
     return self._program.lower(params, opt_state, batch, rng)
 
 
+def _mesh_of(batch: Any, axes: tuple[str, ...]) -> Any:
+  """The mesh ``batch`` is split over ``axes`` on, if any."""
+  for leaf in jax.tree.leaves(batch):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding) and set(axes) <= set(
+      sharding.mesh.axis_names
+    ):
+      return sharding.mesh
+  return None
+
+
+def _no_mesh(axes: tuple[str, ...]) -> ValueError:
+  return ValueError(
+    f"`axis_name` {axes!r} outside shard_map: a CoupledLoss step splits each "
+    "window's rows over it, so the batch must be a jax.Array on a mesh with "
+    f"those axes (jax.device_put(batch, NamedSharding(mesh, P(None, {axes!r}))) "
+    "in scan mode; in your own jit, under jax.set_mesh(mesh)). Or drop "
+    "axis_name: under plain jit the window is global."
+  )
+
+
 @jax.jit
 def _device_copy(tree: Any) -> Any:
   """The caller's micro-batch, copied: a loader may refill its buffers."""
@@ -314,7 +426,7 @@ def _check_like(micro_batch: Any, held: tuple[Any, ...]) -> None:
     return
   first = jax.tree_util.tree_flatten_with_path(held[0])
   given = jax.tree_util.tree_flatten_with_path(micro_batch)
-  if first[1] != given[1]:
+  if first[1] != given[1]:  # type: ignore[operator]  # jaxlib stub gap
     raise ValueError(
       f"micro-batch {len(held)} of this coupled window has the tree "
       f"{given[1]}, the window's first {first[1]}: a window stacks its "

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum._core import _layout, _reduction, _terms
+from optax_accum._core import _checks, _layout, _reduction, _terms
 from optax_accum._core._checks import axes as _axes
 from optax_accum._core._layout import PerReplica
 from optax_accum._core._reduction import AxisName
@@ -48,7 +48,9 @@ class PerReplicaLayout(Layout):
     self, state: MultiStepsState, params: Any = None, terms: Names = None
   ) -> MultiStepsState:
     acc = state.acc_grads
-    target = self.like(_layout.one_sum_shapes(acc), params, terms)
+    sums = _layout.one_sum_shapes(acc)
+    _check_params(params, sums, terms)
+    target = self.like(sums, params, terms)
     return state._replace(acc_grads=_layout.converted(acc, target))
 
   def like(self, sums: Any, params: Any, terms: Names = None) -> PerReplica:
@@ -138,6 +140,19 @@ def data_layout(
         "plain jit XLA then reduce-scatters each micro-batch's gradient."
       )
   return PerReplicaLayout(mesh, axes)
+
+
+def _check_params(params: Any, sums: Any, terms: Names) -> None:
+  """Raises ``ValueError`` naming the first leaf of ``params`` that a state's
+  sums (one tree per term, any layout) lack or hold in another shape."""
+  for tree in _terms.per_term(sums, terms):
+    _checks.check_tree_matches(
+      params,
+      tree,
+      name="params",
+      ref_name="the state's accumulator (step.init of the params it was made "
+      "for; a state of other params starts from step.init(params))",
+    )
 
 
 def split_over(param: Any) -> tuple[str, ...]:

@@ -358,6 +358,17 @@ class TrainStep:
     return params, state, self._metrics(out._replace(metrics=metrics_))
 
 
+def _with_axis_name(optimizer: MultiSteps, axis_name: AxisName | None) -> MultiSteps:
+  """``optimizer`` summing over ``axis_name`` (which must agree with its own)."""
+  if axis_name is None:
+    return optimizer
+  if optimizer.axis_name not in (None, axis_name):
+    raise ValueError(
+      f"`axis_name` {axis_name!r} differs from the optimizer's {optimizer.axis_name!r}."
+    )
+  return optimizer.replace(axis_name=axis_name)
+
+
 def _update_count(inner: Any) -> jax.Array | None:
   """The update count an inner optimizer's state keeps, if any (int32)."""
   try:
@@ -507,18 +518,13 @@ def make_train_step(
     (2.3333..., 1)
   """
   if isinstance(loss_fn, CoupledLoss):
-    check_coupled(has_aux, axis_name)
-    acc = _accumulator(optimizer, mode, every_k_schedule)
+    check_coupled(has_aux)
+    acc = _with_axis_name(_accumulator(optimizer, mode, every_k_schedule), axis_name)
     build = lambda f, opt: TrainStep(f, opt, "scan", False, donate)  # noqa: E731
     return CoupledStep(loss_fn, acc, build, mode, donate)
-  optimizer = _accumulator(optimizer, mode, every_k_schedule)
-  if axis_name is not None:
-    if optimizer.axis_name not in (None, axis_name):
-      raise ValueError(
-        f"`axis_name` {axis_name!r} differs from the optimizer's "
-        f"{optimizer.axis_name!r}."
-      )
-    optimizer = optimizer.replace(axis_name=axis_name)
+  optimizer = _with_axis_name(
+    _accumulator(optimizer, mode, every_k_schedule), axis_name
+  )
   _checks.one_of(mode, ("stream", "scan"), name="mode")
   _checks.callable_arg(loss_fn, name="loss_fn")
   return TrainStep(loss_fn, optimizer, mode, bool(has_aux), bool(donate))
