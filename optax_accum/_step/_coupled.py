@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -371,8 +372,8 @@ class CoupledStep:
     if len(held) < self._window_size(state) and not bool(end_window):
       # Nothing is computed before the window's last (its loss comes with it).
       metrics = {
-        "micro_steps": jnp.int32(len(held)),
-        "updated": jnp.bool_(False),
+        "micro_steps": np.int32(len(held)),
+        "updated": np.bool_(False),
         "update_count": state.gradient_step,
       }
       return params, state._replace(held=held), metrics
