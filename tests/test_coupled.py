@@ -754,3 +754,27 @@ def test_the_coupled_steps_messages_name_the_cause():
   step(given, state, window)
   with pytest.raises(ValueError, match=r"`params` leaf \['image'\] was deleted"):
     step(given, step.init(params), window)
+
+
+def test_a_streamed_window_saved_mid_window_with_orbax_resumes(tmp_path):
+  """The held micro-batches are in the checkpoint; ``resume_target`` builds
+  the restore target from its metadata, and the window ends as it would
+  have, bit for bit."""
+  import orbax.checkpoint as ocp
+
+  k, params, batch = 4, _clip_params(jnp.float32), _clip_batch(jnp.float32)
+  step = optax_accum.make_train_step(CLIP, optax.adamw(1e-2), every_k_schedule=k)
+  micro = [jax.tree.map(lambda x, i=i: x[i::k], batch) for i in range(k)]
+  p, s, _ = _streamed(
+    step, jax.tree.map(jnp.copy, params), step.init(params), micro[:3]
+  )
+  saver = ocp.StandardCheckpointer()
+  saver.save(tmp_path / "ckpt", {"params": p, "opt_state": s})
+  saver.wait_until_finished()
+  want = _streamed(step, p, s, micro[3:])[0]
+  saved = saver.metadata(tmp_path / "ckpt").item_metadata["opt_state"]
+  target = optax_accum.resume_target(step.init(params), saved)
+  restored = saver.restore(tmp_path / "ckpt", {"params": params, "opt_state": target})
+  assert len(restored["opt_state"].held) == 3
+  got = _streamed(step, restored["params"], restored["opt_state"], micro[3:])[0]
+  jax.tree.map(np.testing.assert_array_equal, got, want)

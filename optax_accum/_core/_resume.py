@@ -43,8 +43,9 @@ def resume_target(state: MultiStepsState, saved: Any) -> MultiStepsState:
 
   Returns:
     ``state`` with its accumulator in the saved layout, as host arrays of the
-    saved shapes (zeros, for the restore to fill); every other field as it
-    is. Pass what the restore returns to the step: it lays the sums out for
+    saved shapes (zeros, for the restore to fill), and the saved ``held``
+    micro-batches of a streamed coupled window likewise; every other field
+    as it is. Pass what the restore returns to the step: it lays the sums out for
     its devices (for your own ``jit``, first
     ``optax_accum.relayout(restored, step.init(params))``).
 
@@ -52,6 +53,10 @@ def resume_target(state: MultiStepsState, saved: Any) -> MultiStepsState:
     ValueError: if ``saved`` is packed for a packing these params do not
       give, or its sums are not of these params.
   """
+  held = _field(saved, "held", None)
+  if held is not None:  # A streamed coupled window's micro-batches.
+    held = tuple(jax.tree.map(_zeros, list(held), is_leaf=_is_array))
+    state = state._replace(held=held)
   acc = _field(saved, "acc_grads")
   shapes = jax.tree.map(
     lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype),
@@ -106,8 +111,12 @@ def _field(tree: Any, name: str, *default: Any) -> Any:
   return getattr(tree, name, *default)
 
 
+def _is_array(x: Any) -> bool:
+  return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
 def _leaves(tree: Any) -> list[Any]:
-  return jax.tree.leaves(tree, is_leaf=lambda x: hasattr(x, "shape"))
+  return jax.tree.leaves(tree, is_leaf=_is_array)
 
 
 def _zeros(shape: jax.ShapeDtypeStruct) -> np.ndarray:
