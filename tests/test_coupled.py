@@ -730,6 +730,13 @@ def test_a_coupled_loss_under_axis_name_is_the_whole_batch(x64):
     for name, (p, _, metrics) in moved.items():
       assert _rel(jax.tree.map(jnp.subtract, params, p), whole) <= tol, name
       assert float(metrics["weight"]) == ROWS, name
+    if not x64:  # Without axis_name each replica's window would be its own.
+      alone = optax_accum.make_train_step(SIGLIP, optax.sgd(1.0), mode="scan")
+      mapped = jax.shard_map(
+        alone, mesh=mesh, in_specs=(P(), P(), P(None, "data")), out_specs=P()
+      )
+      with pytest.raises(ValueError, match=r"train step runs under.*axis_name="):
+        jax.jit(mapped)(params, state, window)
 
 
 def test_the_coupled_steps_messages_name_the_cause():

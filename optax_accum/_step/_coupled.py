@@ -331,6 +331,15 @@ class CoupledStep:
     batch's mesh where the caller is in none."""
     axes = _checks.axes(self._optimizer.config.axis_name)
     mesh = jax.sharding.get_abstract_mesh()
+    if mesh.manual_axes and self._optimizer.config.axis_name is None:
+      manual = tuple(mesh.manual_axes)
+      raise ValueError(
+        f"The train step runs under the manual mesh axes {manual} (pmap or "
+        "shard_map) without `axis_name`: each replica's window loss would see "
+        "its own rows only, and the replicated params would drift apart. Pass "
+        f"axis_name={manual[0] if len(manual) == 1 else manual!r} to "
+        "make_train_step: the replicas then gather the window's representations."
+      )
     if axes and not set(axes) <= set(mesh.manual_axes):
       if not set(axes) <= set(mesh.axis_names):
         raise _no_mesh(axes)
