@@ -53,6 +53,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.loss_terms
 	$(PY) -m benchmarks.coupled
 	$(PY) -m benchmarks.noise_scale
+	$(PY) -m benchmarks.batch_ramp
 	$(PY) -m benchmarks.compile
 
 ## notebooks: re-execute the notebooks in place, so their committed outputs are current.

@@ -4,6 +4,7 @@ The wings above import only these names.
 """
 
 from optax_accum._core._hyperparams import get_hyperparams
+from optax_accum._progress._batch_size import WindowController, WindowControllerState
 from optax_accum._progress._batching import causal_lm_target_mask, split_micro_batches
 from optax_accum._progress._inspect import (
   get_last_window,
@@ -28,6 +29,8 @@ __all__ = (
   "ProgressSchedule",
   "ProgressState",
   "ScaleByAdamInItemsState",
+  "WindowController",
+  "WindowControllerState",
   "adamw_in_items",
   "causal_lm_target_mask",
   "get_hyperparams",
