@@ -12,12 +12,12 @@ import optax
 from jax.typing import ArrayLike
 
 from optax_accum._core import _checks, _reduction, _terms
+from optax_accum._core._hyperparams import find_states
 from optax_accum._core._layout import committed
 from optax_accum._core._multi_steps import EveryKSchedule, MultiSteps, MultiStepsState
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import check_single_accumulation
 from optax_accum._core._transitions import with_window
-from optax_accum._progress import get_update_count
 from optax_accum._step._coupled import CoupledLoss, CoupledStep, check_coupled
 from optax_accum._step._explained import (
   check_counts_keys,
@@ -369,12 +369,22 @@ def _with_axis_name(optimizer: MultiSteps, axis_name: AxisName | None) -> MultiS
   return optimizer.replace(axis_name=axis_name)
 
 
+#: Optax states that count the updates applied, in order of preference.
+_COUNTING = (
+  optax.InjectStatefulHyperparamsState,
+  optax.InjectHyperparamsState,
+  optax.ScaleByAdamState,
+  optax.ScaleByScheduleState,
+)
+
+
 def _update_count(inner: Any) -> jax.Array | None:
   """The update count an inner optimizer's state keeps, if any (int32)."""
-  try:
-    return jnp.asarray(get_update_count(inner), jnp.int32)
-  except ValueError:
-    return None
+  for kind in _COUNTING:
+    found = find_states(inner, (kind,))
+    if found:
+      return jnp.asarray(found[0].count, jnp.int32)
+  return None
 
 
 def _accumulator(
