@@ -605,17 +605,22 @@ def test_state_fields():
     "last_window_loss",
     "last_window_weight",
     "noise_scale",
+    "held",
   )
 
   # Without noise_scale=True the pytree is release 0.1.0's (its checkpoints
-  # restore against it: test_legacy_checkpoints.py); with it, one node more.
+  # restore against it: test_legacy_checkpoints.py); with it, one node more;
+  # a streamed coupled window's held micro-batches, one node more again.
   def top(s):
     children = jax.tree_util.tree_flatten_with_path(s, is_leaf=lambda x: x is not s)
     return tuple(p[0].name for p, _ in children[0])
 
-  assert top(state) == state._fields[:-1]
+  assert top(state) == state._fields[:-2]
   measured = optax_accum.MultiSteps(optax.sgd(1.0), 2, noise_scale=True).init(PARAMS)
-  assert top(measured) == state._fields
+  assert top(measured) == state._fields[:-1]
+  holding = state._replace(held=({"x": jnp.zeros(2)},))
+  assert top(holding) == (*state._fields[:-2], "held")
+  assert jax.tree.map(lambda x: x, holding).held[0]["x"].shape == (2,)
   assert jax.tree.map(lambda x: x, state).noise_scale is None
   assert state.micro_batches_seen.dtype == jnp.int32
   assert state.mini_step.dtype == state.gradient_step.dtype == jnp.int32
