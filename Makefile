@@ -28,10 +28,9 @@ test: lint typecheck
 test-accelerator: $(STAMP)
 	OPTAX_ACCUM_TEST_PLATFORM=$${OPTAX_ACCUM_TEST_PLATFORM:-cuda,cpu} $(PY) -m pytest -p no:benchmark -n 2 --cpu-durations=15
 
-## test-long: the suite with the opt-in long tests (marked `long`) and 2,000
-## float64 reference examples.
+## test-long: the suite with 2,000 float64 reference examples (CI runs 48).
 test-long: $(STAMP)
-	OPTAX_ACCUM_LONG=1 OPTAX_ACCUM_REFERENCE_EXAMPLES=2000 $(PY) -m pytest -n 2 --cpu-durations=15
+	OPTAX_ACCUM_REFERENCE_EXAMPLES=2000 $(PY) -m pytest -n 2 --cpu-durations=15
 
 lint: $(STAMP)
 	$(PY) -m ruff check optax_accum tests benchmarks examples docs/conf.py docs/mathtext_svg.py

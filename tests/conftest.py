@@ -255,7 +255,7 @@ def pytest_report_header(config):
   cache = "off" if _CACHE_OFF else os.environ.get("JAX_COMPILATION_CACHE_DIR", "off")
   return [
     f"float64 reference: {examples} examples ({size}; "
-    "OPTAX_ACCUM_REFERENCE_EXAMPLES=2000 for the long run)",
+    "OPTAX_ACCUM_REFERENCE_EXAMPLES=2000 for more)",
     f"JAX compilation cache: {cache}",
     f"JAX platforms: {os.environ['JAX_PLATFORMS']} (OPTAX_ACCUM_TEST_PLATFORM), "
     f"matmul precision: {jax.config.jax_default_matmul_precision or 'default'}",
@@ -274,21 +274,11 @@ def pytest_configure(config):
     config.pluginmanager.register(_FileProgress(config), "file-progress")
 
 
-#: ``OPTAX_ACCUM_LONG=1`` (``make test-long``) also runs the tests marked ``long``.
-LONG = os.environ.get("OPTAX_ACCUM_LONG", "").lower() in {"1", "true"}
-
-
 def pytest_collection_modifyitems(config, items):
   """Tests marked `slow` first: xdist hands tests out one by one in this
-  order, so the workers finish together, on short tests. Tests marked `long`
-  are skipped unless ``OPTAX_ACCUM_LONG`` is set."""
+  order, so the workers finish together, on short tests."""
   del config
   items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-  if not LONG:
-    skip = pytest.mark.skip(reason="a long run's test: OPTAX_ACCUM_LONG=1")
-    for item in items:
-      if item.get_closest_marker("long") is not None:
-        item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -808,7 +808,6 @@ class LinenModel(nn.Module):
     return nn.Dense(V)(jnp.tanh(h))
 
 
-@pytest.mark.long  # 7 s of CPU; the NNX model with attention runs in CI.
 def test_linen_with_make_train_step_is_ok():
   model = LinenModel()
   batch = make_batch()
@@ -822,7 +821,6 @@ def test_linen_with_make_train_step_is_ok():
   assert any("['key']['bias']" in leaf for leaf in report.rounding_leaves)
 
 
-@pytest.mark.long  # 8 s of CPU; the NNX and Linen models with attention run in CI.
 def test_equinox_with_attention_is_ok():
   eqx = pytest.importorskip("equinox")
   keys = jax.random.split(jax.random.key(0), 3)
@@ -1024,7 +1022,7 @@ def _window_trainer(weighted):
 
 @pytest.mark.parametrize(  # OK in CI too: per_window's doctest.
   "weighted",
-  [pytest.param(True, marks=pytest.mark.long), False],
+  [True, False],
   ids=["token_weighted", "uniform"],
 )
 def test_a_window_level_trainer_through_per_window(weighted):

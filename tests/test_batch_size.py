@@ -271,7 +271,6 @@ def test_a_mid_run_orbax_restore_gives_the_same_windows_and_params(tmp_path):
   assert float(got[2].target) == float(want[2].target)
 
 
-@pytest.mark.long  # The LM compiles and trains 4 x 4,000 tokens: 20 s of CPU.
 def test_the_benchmark_runs(tmp_path):
   from benchmarks import batch_ramp
 

@@ -105,18 +105,13 @@ def _equals_the_whole_batch(coupled, params, batch, k, x64):
   return whole, metrics
 
 
-# CI time: k = 2 in float32 and k = 4 in float64 run in the long run; CI keeps
-# each k in one dtype at least and k = 8 (the most micro-batches) in both.
-LONG = pytest.mark.long
-
-
 @pytest.mark.parametrize(
   "k, x64",
   [
-    pytest.param(2, False, marks=LONG),
+    (2, False),
     (2, True),
     (4, False),
-    pytest.param(4, True, marks=LONG),
+    (4, True),
     (8, False),
     (8, True),
   ],
@@ -187,7 +182,7 @@ MOE = optax_accum.CoupledLoss(router_probs, switch_balance, loss_fn=moe_loss)
 
 @pytest.mark.parametrize(
   "k, x64",
-  [pytest.param(2, False, marks=LONG), (2, True), (4, False), (4, True)],
+  [(2, False), (2, True), (4, False), (4, True)],
   ids=["2-float32", "2-float64", "4-float32", "4-float64"],
 )
 def test_switch_balance_over_the_window_is_the_whole_batch_gradient(k, x64):

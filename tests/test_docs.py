@@ -1,7 +1,6 @@
 """The docs site: its pages' code prints what they show, and it builds cleanly."""
 
 import importlib.util
-import os
 import pathlib
 import re
 import subprocess
@@ -13,27 +12,16 @@ from markdown_examples import run_examples
 
 import optax_accum
 
-#: The pages show what a reader's run prints, compiled as the reader's are in
-#: the long run; the default run compiles them as the rest of the suite (30 s
-#: of CPU less; the pages print the same either way today).
-LONG = os.environ.get("OPTAX_ACCUM_LONG", "").lower() in {"1", "true"}
-pytestmark = [pytest.mark.full_optimization] if LONG else []
-
 DOCS = pathlib.Path(__file__).parent.parent / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
 
 
 #: Pages whose blocks take 10 s of CPU or more: run first (see tests/conftest.py).
 SLOW_PAGES = {"recipes", "schedules"}
-#: Pages whose blocks take 13-16 s of CPU: in the long run (``make test-long``);
-#: in CI test_audit.py, test_frameworks.py and test_loss_terms.py pin their APIs.
-LONG_PAGES = {"audit", "frameworks", "loss_terms"}
 
 
 def _marked(page):
-  marks = [pytest.mark.slow] if page.stem in SLOW_PAGES else []
-  marks += [pytest.mark.long] if page.stem in LONG_PAGES else []
-  return pytest.param(page, marks=marks)
+  return pytest.param(page, marks=[pytest.mark.slow] if page.stem in SLOW_PAGES else [])
 
 
 @pytest.mark.parametrize("page", [_marked(p) for p in PAGES], ids=lambda p: p.stem)

@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 EXAMPLES = pathlib.Path(__file__).parents[1] / "examples"
 LM_FINETUNE = EXAMPLES / "lm_finetune.py"
@@ -63,7 +62,6 @@ def test_lm_finetune_check_fails_when_a_leaf_with_a_gradient_differs(capsys):
   assert capsys.readouterr().out.count("same training: NO") == 2
 
 
-@pytest.mark.long  # 7-8 s of CPU; test_coupled.py pins each recipe in CI.
 def test_coupled_losses_train_as_the_whole_batch_does(capsys):
   """Issue 50's recipes: after AdamW updates, the two-pass window's params are
   the whole-batch run's (float32 rounding), the per-micro-batch loss's not."""

@@ -395,9 +395,7 @@ def _term_loss(params, batch):
 
 # CI time: scan mode's one reduction a window is also
 # test_an_explicit_mesh_reduces_gradients_once_per_window's.
-@pytest.mark.parametrize(
-  "mode", ["stream", pytest.param("scan", marks=pytest.mark.long)]
-)
+@pytest.mark.parametrize("mode", ["stream", "scan"])
 def test_loss_terms_reduce_once_per_window_too(mode):
   """Each term's accumulator keeps each device's partial sum, and 8 devices
   end where one does (issue 28's terms on issue 25's default path)."""

@@ -503,7 +503,6 @@ def test_apply_if_finite_inside_multi_steps_counts_nothing_skipped_windows_does(
   assert rel(nnx.state(model, nnx.Param), whole) <= 1e-5
 
 
-@pytest.mark.long  # CI time: schedule_free_eval_params' doctest runs MultiSteps.
 def test_linen_schedule_free_eval_params_through_multi_steps():
   """Item 9: schedule_free_eval_params finds the state inside MultiSteps."""
   model, params, loss_fn = linen_mlp()

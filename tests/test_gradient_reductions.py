@@ -392,7 +392,6 @@ def _row_keyed_loss(base):
   return loss_fn
 
 
-@pytest.mark.long  # 8 s of CPU; test_nnx_dropout.py runs row-keyed dropout in CI.
 def test_row_keyed_dropout_matches_across_recipes():
   mesh = _mesh()
   batches = []

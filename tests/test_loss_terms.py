@@ -350,7 +350,6 @@ def test_a_term_over_no_items_is_nan_and_adds_nothing(mode):
   assert toy_lm.max_rel_diff(params, _whole_batch_run(windows, _adamw())) <= 1e-5
 
 
-@pytest.mark.long  # 16 s of CPU; tests/test_audit_terms.py audits terms on an LM.
 def test_terms_of_an_nnx_model_with_attention():
   """An NNX model with causal attention, split and merged around the step, a
   token CE, a per-sequence penalty and a per-micro-batch aux term: within f32

@@ -25,8 +25,8 @@ def _free_port() -> int:
 @pytest.mark.parametrize(  # Two processes each: the default mesh's recipe in CI.
   "recipe",
   [
-    pytest.param("auto", marks=pytest.mark.long),
-    pytest.param("axis_name", marks=pytest.mark.long),
+    "auto",
+    "axis_name",
     "explicit",
   ],
 )

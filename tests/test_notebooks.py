@@ -14,21 +14,10 @@ def test_there_are_notebooks():
   assert NOTEBOOKS
 
 
-#: The notebooks that take 11 s of CPU or more run in the long run (``make
-#: test-long``); what they show runs in CI in the docs pages' blocks
-#: (``multi_steps``, ``distributed``, ``planning``, ``noise_scale``) and tests.
-LONG = {
-  "04_data_parallel",
-  "05_migrating",
-  "06_planning_micro_batches",
-  "07_batch_size_ramp",
-}
-
-
 @pytest.mark.slow  # A kernel each: 5 to 16 s of CPU.
 @pytest.mark.parametrize(
   "path",
-  [pytest.param(p, marks=pytest.mark.long) if p.stem in LONG else p for p in NOTEBOOKS],
+  NOTEBOOKS,
   ids=lambda p: p.stem,
 )
 def test_notebook_runs(path):

@@ -86,11 +86,10 @@ class WindowController:
   least ``target`` items,
 
   .. math::
-    T_n = \min\left(\max(s \hat B_\mathrm{simple}, w_\mathrm{min}),
-    \ w_\mathrm{max},\ g T_{n-1}\right)
+    T_n = \min(\max(s \hat B, w_\mathrm{min}),\ w_\mathrm{max},\ g T_{n-1})
 
   (``s`` is ``scale``, ``g`` ``growth``, ``w`` the bounds ``min_weight`` and
-  ``max_weight``),
+  ``max_weight``, :math:`\hat B` the smoothed :math:`B_\mathrm{simple}`),
 
   with :math:`\hat B_\text{simple}` the moving averages' ratio
   (:func:`smooth_noise_scale`, ``decay`` per window) over the windows that
