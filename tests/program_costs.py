@@ -1,24 +1,22 @@
 """XLA's cost and memory figures of the train step's programs on benchmark models.
 
-``python -m tests.program_costs`` writes them to ``tests/data/program_costs.json``;
+``python -m tests.program_costs`` writes them to ``tests/data/program_costs.json``
+(fully optimised: ``JAX_DISABLE_MOST_OPTIMIZATIONS=0``);
 ``tests/test_program_costs.py`` checks that no program does more work than the
 recorded figures. Both are deterministic for one jax version, so a refactor
-that adds a pass or a buffer to a program fails the test. The entry of the
-packed accumulator (``packed``) was added when packing came (issue 29) and
-recorded again when the programs came to pack the gradients (fewer kernels
-and less scratch; one more pass over the gradients in the update); the packed
-scan window's entry when scan mode came to pack. The others were recorded
-before packing, and the step runs them without it. Every update program's
-bytes and scratch were raised by 64-6,508 bytes when the window's norm and
-finite check moved into a loop of their own (issue 29).
+that adds a pass or a buffer to a program fails the test. Recorded again when
+packing was removed: the packed accumulator's entries went; the others'
+programs lower to the same text as before the removal, their figures taken
+anew (the 400-leaf update programs' scratch was 3,200 bytes above the older
+record). Every update program's bytes and scratch
+were raised by 64-6,508 bytes when the window's norm and finite check moved
+into a loop of their own (issue 29).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import pathlib
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -28,22 +26,17 @@ from jax.sharding import PartitionSpec as P
 
 import optax_accum
 from benchmarks.accumulation import MODELS, mlp
-from optax_accum._core import _backend
 
 RECORD = pathlib.Path(__file__).parent / "data" / "program_costs.json"
 K = 4
-#: (model, mode, axis_name, packed) of every recorded configuration; with
-#: ``packed`` False the step's accumulator is never packed (recorded before
-#: packing existed).
+#: (model, mode, axis_name) of every recorded configuration.
 CONFIGS = (
-  ("mlp-1024x8-b4", "stream", None, False),
-  ("mlp-1024x8-b4", "scan", None, False),
-  ("leaves-400x32-b4", "stream", None, False),
-  ("leaves-400x32-b4", "stream", None, True),
-  ("leaves-400x32-b4", "scan", None, False),
-  ("leaves-400x32-b4", "scan", None, True),
-  ("mlp-256x4-b8", "stream", "data", False),
-  ("mlp-256x4-b8", "scan", "data", False),
+  ("mlp-1024x8-b4", "stream", None),
+  ("mlp-1024x8-b4", "scan", None),
+  ("leaves-400x32-b4", "stream", None),
+  ("leaves-400x32-b4", "scan", None),
+  ("mlp-256x4-b8", "stream", "data"),
+  ("mlp-256x4-b8", "scan", "data"),
 )
 
 
@@ -62,25 +55,8 @@ def figures(lowered: jax.stages.Lowered) -> dict[str, float]:
   }
 
 
-def program_costs(
-  model: str, mode: str, axis_name: str | None, packed: bool
-) -> dict[str, Any]:
+def program_costs(model: str, mode: str, axis_name: str | None) -> dict[str, Any]:
   """The figures of each program of one configuration, by program name."""
-  with _packing_limited(packed):
-    return _program_costs(model, mode, axis_name)
-
-
-@contextlib.contextmanager
-def _packing_limited(packed: bool) -> Iterator[None]:
-  """Packs as by default, or never."""
-  if packed:
-    yield
-    return
-  with _backend.overridden("cpu", packs=False):
-    yield
-
-
-def _program_costs(model: str, mode: str, axis_name: str | None) -> dict[str, Any]:
   built = _model(model)
   params, batch = built["params"], built["batch"](built["rows"] * K)
   if mode == "scan":
@@ -96,16 +72,15 @@ def _program_costs(model: str, mode: str, axis_name: str | None) -> dict[str, An
   step = optax_accum.make_train_step(
     built["loss_fn"], opt, mode=mode, axis_name=axis_name
   )
-  state = step.init(params)  # Packed where the step packs.
+  state = step.init(params)
   programs = ("accumulate", "update") if mode == "stream" else ("update",)
   return {
     name: figures(step.lower(params, state, batch, program=name)) for name in programs
   }
 
 
-def key(model: str, mode: str, axis_name: str | None, packed: bool) -> str:
-  name = f"{model} {mode}" + (f" axis_name={axis_name}" if axis_name else "")
-  return name + (" packed" if packed else "")
+def key(model: str, mode: str, axis_name: str | None) -> str:
+  return f"{model} {mode}" + (f" axis_name={axis_name}" if axis_name else "")
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """One state layout, restored with the orbax call users write first (issue 41).
 
-Every path's state (one device with packed small leaves, loss terms, Explicit
+Every path's state (one device, loss terms, Explicit
 1-D and 2-D meshes, ``axis_name``, scan mode, the step in the user's own
 ``jit``) is saved with orbax in the middle of a window and at its end,
 restored against ``step.init(params)`` (``opt.init(params)`` for a state of
@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum._core._layout import Packed, PerReplica
+from optax_accum._core._layout import PerReplica
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 
@@ -62,13 +62,21 @@ def _stream():
 
 
 def _params0():
-  """A matrix and 16 small biases: packed on one device."""
+  """A matrix and 16 small biases."""
   rng = np.random.default_rng(1)
   biases = [rng.normal(size=4).astype(np.float32) * 0.1 for _ in range(BIASES)]
   return {"w": rng.normal(size=(3, 4)).astype(np.float32), "b": biases}
 
 
-PATHS = ["packed", "terms", "explicit-1d", "explicit-2d", "axis_name", "scan", "jit"]
+PATHS = [
+  "one-device",
+  "terms",
+  "explicit-1d",
+  "explicit-2d",
+  "axis_name",
+  "scan",
+  "jit",
+]
 
 
 @functools.cache
@@ -79,11 +87,11 @@ def _path(name):
     optax.adamw(3e-2, weight_decay=0.1), K, terms=("nll", "l2") if terms else None
   )
   loss = _terms_loss if terms else _loss
-  if name in ("packed", "terms", "scan", "jit"):
+  if name in ("one-device", "terms", "scan", "jit"):
     device = jax.devices()[0]
     mode = "scan" if name == "scan" else "stream"
     step = optax_accum.make_train_step(loss, opt, mode=mode)
-    init = step.init  # Packed: the step's layout on one device.
+    init = step.init  # One sum, as opt.init gives.
     if name == "jit":
       step = jax.jit(step)
     batch = _windows if name == "scan" else (lambda b: b)
@@ -135,8 +143,8 @@ def _uninterrupted(name):
 
 
 def _layout_of(name):
-  if name in ("packed", "scan", "jit"):
-    return Packed
+  if name in ("one-device", "scan", "jit"):
+    return dict
   if name == "terms":
     return tuple
   return PerReplica
@@ -167,31 +175,29 @@ def test_a_naive_orbax_restore_resumes_bit_identical(name, position, tmp_path):
 
 
 def test_relayout_converts_every_layout_exactly_where_the_maths_allows():
-  """Packed to one sum to packed is exact; one sum to per replica and back
-  is exact (the first replica's partial sum); ``opt.update`` names
-  ``relayout`` for a per-replica state."""
+  """One sum to per replica and back is exact (the first replica's partial
+  sum); ``opt.update`` names ``relayout`` for a per-replica state."""
   params = _params0()
   opt = optax_accum.MultiSteps(optax.sgd(0.1), K)
-  packed = optax_accum.make_train_step(_loss, opt).init(params)
-  assert isinstance(packed.acc_grads, Packed)
-  filled = jax.tree.map(lambda a: jnp.arange(a.size, dtype=a.dtype), packed.acc_grads)
-  packed = packed._replace(acc_grads=filled)
-  one = optax_accum.relayout(packed, None)
-  assert isinstance(one.acc_grads, dict)
-  again = optax_accum.relayout(one, packed)
-  np.testing.assert_array_equal(again.acc_grads.groups[0], filled.groups[0])
+  one = optax_accum.make_train_step(_loss, opt).init(params)
+  assert jax.tree.structure(one) == jax.tree.structure(opt.init(params))
+  filled = jax.tree.map(
+    lambda a: jnp.arange(a.size, dtype=a.dtype).reshape(a.shape), one.acc_grads
+  )
+  one = one._replace(acc_grads=filled)
+  assert isinstance(optax_accum.relayout(one, None).acc_grads, dict)
   init = _path("explicit-1d")[3]
   spread = _path("explicit-1d")[0](params)
   per_replica = optax_accum.relayout(one, init(spread))
   assert isinstance(per_replica.acc_grads, PerReplica)
   assert per_replica.acc_grads.sums["w"].shape == (8, 3, 4)
-  back = optax_accum.relayout(per_replica, packed)
-  np.testing.assert_array_equal(back.acc_grads.groups[0], filled.groups[0])
+  back = optax_accum.relayout(per_replica, one)
+  jax.tree.map(np.testing.assert_array_equal, back.acc_grads, filled)
   with pytest.raises(ValueError, match=r"optax_accum\.relayout"):
     opt.update(jax.tree.map(jnp.ones_like, spread), per_replica, spread)
   grown = {**params, "c": np.zeros(3, np.float32)}
   with pytest.raises(ValueError, match=r"\['c'\]"):
-    optax_accum.relayout(packed, opt.init(grown))
+    optax_accum.relayout(per_replica, opt.init(grown))
 
 
 SIXTEEN = textwrap.dedent(
@@ -242,7 +248,7 @@ SIXTEEN = textwrap.dedent(
 
 
 def test_sixteen_scalars_on_sixteen_replicas_resume_with_the_whole_batch(tmp_path):
-  """The per-replica sums of 16 scalars have the shape a packed group of 16
+  """The per-replica sums of 16 scalars have the shape one buffer of 16
   scalars would: restored naively mid-window, the window's update is the
   whole batch's (it was off by 0.556 when layouts were told by shape)."""
   out = subprocess.run(
@@ -258,7 +264,7 @@ def test_sixteen_scalars_on_sixteen_replicas_resume_with_the_whole_batch(tmp_pat
 
 
 SGD = optax_accum.MultiSteps(optax.sgd(1.0), K)
-_PACKED = optax_accum.make_train_step(_loss, SGD)  # Its init packs the biases.
+_STEP = optax_accum.make_train_step(_loss, SGD)
 
 
 @functools.cache
@@ -304,13 +310,13 @@ def _handing(kind):
 @pytest.mark.parametrize("first", ["update", "stream", "jit", "lax.scan"])
 def test_any_paths_state_continues_on_any_other_path(first, second):
   """Half a window on one path, the rest on another: the whole batch's
-  update (one device, packed sums)."""
+  update (one device, one sum)."""
   params = _params0()
   batches = _stream()[:K]
-  params_, state = _handing(first)(params, _PACKED.init(params), batches[:2])
-  assert isinstance(state.acc_grads, Packed)
+  params_, state = _handing(first)(params, _STEP.init(params), batches[:2])
+  assert isinstance(state.acc_grads, dict)
   got, state = _handing(second)(params_, state, batches[2:])
-  assert isinstance(state.acc_grads, Packed) and int(state.gradient_step) == 1
+  assert isinstance(state.acc_grads, dict) and int(state.gradient_step) == 1
   whole = jax.tree.map(lambda *rows: np.concatenate(rows), *batches)
   grad = jax.grad(lambda p: _loss(p, whole)[0])(params)
   want = jax.tree.map(lambda p, g: p - g, params, grad)
@@ -419,46 +425,44 @@ def _other_paths(kind):
   return lambda p, s, b: jax.jit(SGD.update)(grad(p, b), s, p)
 
 
-@pytest.mark.parametrize("layout", ["packed", "one-sum"])
 @pytest.mark.parametrize("other", list(OTHERS))
 @pytest.mark.parametrize("kind", ["stream", "scan", "jit", "lax.scan", "update"])
-def test_a_state_for_other_params_is_refused_naming_the_leaf(kind, other, layout):
+def test_a_state_for_other_params_is_refused_naming_the_leaf(kind, other):
   """Half a window for 20 biases, continued with params that lost ``b00``
   (or renamed it ``z00``, same shapes): a ``ValueError`` naming ``b00``, never
-  sums repacked by position (0.25 and 0.54 off the whole batch, silently)."""
+  sums matched by position (0.25 and 0.54 off the whole batch, silently)."""
   params = _named_params(NAMES)
-  init = _PACKED_NAMED.init if layout == "packed" else SGD.init
-  state = init(params)
-  _, state, _ = _PACKED_NAMED(params, state, _named_batches()[0])
-  kept = {"packed": Packed, "one-sum": dict}[layout]
-  assert isinstance(state.acc_grads, kept)
+  _, state, _ = _NAMED(params, _NAMED.init(params), _named_batches()[0])
+  assert isinstance(state.acc_grads, dict)
   with pytest.raises(ValueError, match=r"\['b00'\]"):
     _other_paths(kind)(_named_params(OTHERS[other]), state, _named_batches()[1])
 
 
-_PACKED_NAMED = optax_accum.make_train_step(_named_loss, SGD, donate=False)
+_NAMED = optax_accum.make_train_step(_named_loss, SGD, donate=False)
 
 
 def test_relayout_works_under_set_mesh():
-  """``relayout`` in every direction inside ``with jax.set_mesh(mesh)``, where
-  a program of arrays committed to one device cannot run: exact."""
-  params = _named_params(NAMES)
-  _, packed, _ = _PACKED_NAMED(params, _PACKED_NAMED.init(params), _named_batches()[0])
-  mesh = jax.make_mesh((8,), ("data",))
-  with jax.set_mesh(mesh):
-    one = optax_accum.relayout(packed, SGD.init(params))
-    again = optax_accum.relayout(one, packed)
-  assert isinstance(one.acc_grads, dict) and isinstance(again.acc_grads, Packed)
-  np.testing.assert_array_equal(again.acc_grads.groups[0], packed.acc_grads.groups[0])
+  """``relayout`` both ways between one device's sum and 8 replicas' partial
+  sums inside ``with jax.set_mesh(mesh)``, where a program of arrays
+  committed to one device cannot run: exact."""
+  params = jax.device_put(_params0(), jax.devices()[0])
+  _, one, _ = _STEP(params, _STEP.init(params), _stream()[0])
+  init = _path("explicit-1d")[3]
+  spread = init(_path("explicit-1d")[0](_params0()))
+  with jax.set_mesh(jax.make_mesh((8,), ("data",))):
+    per_replica = optax_accum.relayout(one, spread)
+    back = optax_accum.relayout(per_replica, one)
+  assert isinstance(per_replica.acc_grads, PerReplica)
+  assert isinstance(back.acc_grads, dict)
+  jax.tree.map(np.testing.assert_array_equal, back.acc_grads, one.acc_grads)
 
 
 @pytest.mark.parametrize("how", ["relayout", "_replace"])
 def test_a_converted_state_goes_back_to_the_step_that_returned_it(how):
-  """A packed state the step returned, converted to one sum with
+  """A state the step returned, converted to ``opt.init``'s layout with
   ``relayout`` (or its ``acc_grads`` ``_replace``d, as the docstring once
-  wrote), handed back: the step lays it out again (it recognised its own
-  state by the counters alone, and failed on the sums) and ends the window
-  with the whole batch's update."""
+  wrote), handed back: the step ends the window with the whole batch's
+  update."""
   params = _named_params(NAMES)
   step = optax_accum.make_train_step(_named_loss, SGD, donate=False)
   batches = _named_batches()
@@ -517,22 +521,23 @@ def test_a_mid_window_checkpoint_of_8_replicas_resumes_on_fewer_devices(
 
 
 def test_resume_target_takes_the_saved_layout():
-  """Packed, per-replica and one-sum checkpoints each get a target of their
-  own layout and shapes (host zeros), from any state of the same params; a
-  packing these params do not give is refused, naming the way out."""
+  """Packed (a checkpoint written before packing was removed), per-replica
+  and one-sum checkpoints each get a target of their own layout and shapes
+  (host zeros), from any state of the same params; packed groups these
+  params never gave are refused."""
   params = _named_params(NAMES)
-  packed = _PACKED_NAMED.init(params)
   one = SGD.init(params)
+  packed = {"acc_grads": {"groups": [np.zeros(80, np.float32)], "rest": ()}}
   target = optax_accum.resume_target(one, packed)
-  assert isinstance(target.acc_grads, Packed)
-  assert target.acc_grads.packing == packed.acc_grads.packing
+  assert isinstance(target.acc_grads, optax_accum.Packed)
+  assert [g.shape for g in target.acc_grads.groups] == [(80,)]
   saved = one._replace(
     acc_grads=PerReplica(jax.tree.map(lambda a: np.zeros((8, *a.shape)), params), ())
   )
-  assert optax_accum.resume_target(packed, saved).acc_grads.sums["b07"].shape == (8, 4)
-  assert optax_accum.resume_target(packed, one).acc_grads["b07"].shape == (4,)
-  fewer = _PACKED_NAMED.init(_named_params(NAMES[:17]))
-  with pytest.raises(ValueError, match=r"step\.init\(params\)"):
+  assert optax_accum.resume_target(one, saved).acc_grads.sums["b07"].shape == (8, 4)
+  assert optax_accum.resume_target(target, one).acc_grads["b07"].shape == (4,)
+  fewer = {"acc_grads": {"groups": [np.zeros(68, np.float32)], "rest": ()}}
+  with pytest.raises(ValueError, match=r"packed in groups of \[68\] elements"):
     optax_accum.resume_target(one, fewer)
 
 
@@ -542,9 +547,9 @@ def _any_shape_loss(params, batch):
 
 
 @pytest.mark.parametrize("mode", ["stream", "scan"])
-def test_a_packed_state_for_a_reshaped_leaf_names_the_leaf(mode):
+def test_a_state_for_a_reshaped_leaf_names_the_leaf(mode):
   """Params whose ``b00`` changed shape (4 to 2 x 2, the same size): the
-  leaf and both shapes are named, not the packed group the sums live in."""
+  leaf and both shapes are named."""
   params = _named_params(NAMES)
   stream = optax_accum.make_train_step(_any_shape_loss, SGD, donate=False)
   _, state, _ = stream(params, stream.init(params), _named_batches()[0])

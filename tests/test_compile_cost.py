@@ -29,22 +29,21 @@ def _model(leaves):
   return model["params"], model["loss_fn"], model["batch"](2)
 
 
-def _update_in_jit(leaves, init):
+def _update_in_jit(leaves):
   """``MultiSteps.update`` in the user's ``jit``, as the README writes it."""
   params, loss_fn, batch = _model(leaves)
   opt = optax_accum.MultiSteps(optax.adamw(1e-3), K)
-  step = optax_accum.make_train_step(loss_fn, opt)
-  state = {"opt.init": opt.init, "step.init": step.init}[init](params)
+  state = opt.init(params)
   micro_step = accum_update_in_jit(loss_fn, opt)
   return jax.jit(micro_step).lower(params, state, batch).compile()
 
 
-def _step_in_jit(leaves, init):
+def _step_in_jit(leaves):
   """The train step traced in the user's ``jit``."""
   params, loss_fn, batch = _model(leaves)
   opt = optax_accum.MultiSteps(optax.adamw(1e-3), K)
   step = optax_accum.make_train_step(loss_fn, opt)
-  state = {"opt.init": opt.init, "step.init": step.init}[init](params)
+  state = step.init(params)
   run = jax.jit(lambda p, s, b: step(p, s, b)[:2])
   return run.lower(params, state, batch).compile()
 
@@ -57,13 +56,12 @@ def _optax_in_jit(leaves):
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's module")
-@pytest.mark.parametrize("init", ["opt.init", "step.init"])
 @pytest.mark.parametrize("path", [_update_in_jit, _step_in_jit], ids=["update", "step"])
-def test_the_compiled_module_grows_linearly_in_the_leaves(path, init):
+def test_the_compiled_module_grows_linearly_in_the_leaves(path):
   """Four times the leaves, at most four times the instructions (a fixed
   part makes it fewer), and no more than ``optax.MultiSteps``' module at
-  either size: one sum (``opt.init``) and packed (``step.init``)."""
-  small, large = (instructions(path(n, init)) for n in (SMALL, LARGE))
+  either size."""
+  small, large = (instructions(path(n)) for n in (SMALL, LARGE))
   assert large <= 4 * small, (small, large)
   assert large <= instructions(_optax_in_jit(LARGE)), large
 
@@ -74,12 +72,10 @@ def test_the_gpu_form_grows_linearly_in_the_leaves(monkeypatch):
   branch, compiled here by XLA:CPU): every leaf's select reads the window's
   flag, not the norm's chain over every leaf (the old form took 37 s of
   CPU to compile at 88 leaves)."""
-  cpu = _backend.of("cpu")
-  monkeypatch.setitem(_backend._BACKENDS, "cpu", cpu._replace(packs=False))
   monkeypatch.setattr(
     jax.lax, "platform_dependent", _default_branch(jax.lax.platform_dependent)
   )
-  small, large = (instructions(_update_in_jit(n, "opt.init")) for n in (SMALL, LARGE))
+  small, large = (instructions(_update_in_jit(n)) for n in (SMALL, LARGE))
   assert large <= 4 * small, (small, large)
 
 
@@ -108,12 +104,12 @@ def test_the_norm_reduces_small_leaves_a_group_at_a_time(monkeypatch):
   params, loss_fn, batch = _model(SMALL)
   groups = _layout.norm_groups(params)
   assert 1 <= len(groups) < SMALL // 4 and sum(map(len, groups)) == SMALL
-  grouped = _reductions(_update_in_jit(SMALL, "opt.init"))
+  grouped = _reductions(_update_in_jit(SMALL))
   norms = [_window_norm(params, loss_fn, batch)]
   cpu = _backend.of("cpu")
   monkeypatch.setitem(_backend._BACKENDS, "cpu", cpu._replace(groups_norm=False))
   assert _layout.norm_groups(params) == ()
-  per_leaf = _reductions(_update_in_jit(SMALL, "opt.init"))
+  per_leaf = _reductions(_update_in_jit(SMALL))
   norms.append(_window_norm(params, loss_fn, batch))
   assert per_leaf - grouped == SMALL - len(groups), (per_leaf, grouped)
   np.testing.assert_allclose(*norms, rtol=1e-6)

@@ -212,3 +212,39 @@ def test_step_in_your_jit_reads_the_sums_only_where_a_window_ends():
   assert any(op.in_loop for op in ours)  # The window's end: norm, finite check.
   outside = [sum(not op.in_loop for op in found) for found in (ours, hand)]
   assert outside[0] <= outside[1], outside
+
+
+def _peak(lowered) -> int:
+  m = lowered.compile().memory_analysis()
+  return (
+    m.argument_size_in_bytes
+    + m.output_size_in_bytes
+    - m.alias_size_in_bytes
+    + m.temp_size_in_bytes
+  )
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's two programs")
+def test_a_window_ends_in_two_programs_within_the_merged_ones_memory():
+  """The window's last call runs the accumulate program, then the ending;
+  ``lower`` gives the two as one program, whose peak bounds each's (the
+  inner state resident while the accumulate program runs)."""
+  from benchmarks import accumulation
+  from optax_accum._step._programs import counters
+  from optax_accum._step._signature import Inputs, Split
+
+  model = accumulation.many_leaves(64, 32, 4)
+  opt = optax_accum.MultiSteps(optax.adamw(1e-3), 4)
+  step = optax_accum.make_train_step(model["loss_fn"], opt)
+  params, batch = model["params"], model["batch"](2)
+  params, state, layout = step._layouts.arranged(params, step.init(params), batch)
+  accumulate, update = step._layouts.programs(layout)
+  assert isinstance(update, Split)
+  assert update.accumulate is accumulate
+  inner, acc = state.inner_opt_state, state.acc_grads
+  inputs = Inputs(params, inner, acc, counters(state), batch, None, False)
+  merged = _peak(update.lower(inputs))
+  resident = sum(x.nbytes for x in jax.tree.leaves(inner))
+  accumulating = _peak(accumulate.lower(inputs._replace(inner=None, end_window=None)))
+  assert accumulating + resident <= merged
+  assert _peak(update.ending.lower(inputs._replace(batch=None))) <= merged

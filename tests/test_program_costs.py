@@ -32,8 +32,7 @@ def _recorded():
   return json.loads(program_costs.RECORD.read_text())
 
 
-#: The 400-leaf configurations run in the long run: 15 to 23 s of CPU each
-#: (tests/test_packing.py checks the packed programs' figures on that model).
+#: The 400-leaf configurations run in the long run: 15 to 23 s of CPU each.
 LONG = {c for c in program_costs.CONFIGS if c[0] == "leaves-400x32-b4"}
 CONFIGS = [
   pytest.param(c, marks=pytest.mark.long) if c in LONG else c
@@ -58,8 +57,7 @@ def test_programs_do_no_more_work_than_recorded(config):
 
 
 #: The share of FLOPs and bytes the step's accumulate program may add to a
-#: hand-written one on the LM: packing its small leaves adds one pass over
-#: their gradients (0.1% of the bytes on this model; 3% on a 2-block LM).
+#: hand-written one on the LM.
 LM_SLACK = 1.005
 
 

@@ -38,11 +38,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum._core import _backend, _layout
+from optax_accum._core import _layout
 
 #: Examples in CI, spread over the paths (about 1 s of CPU each); the long run
 #: takes 2,000 (``make test-long``).
-DEFAULT_EXAMPLES = 48  # 3 for each of the 16 paths.
+DEFAULT_EXAMPLES = 45  # 3 for each of the 15 paths.
 EXAMPLES = int(os.environ.get("OPTAX_ACCUM_REFERENCE_EXAMPLES", DEFAULT_EXAMPLES))
 AUTO = jax.sharding.AxisType.Auto
 # Path name -> (replicas, uses make_train_step).
@@ -51,7 +51,6 @@ PATHS = {
   "update_jit": (1, False),
   "update_shard_map": (None, False),
   "stream": (1, True),
-  "stream_packed": (1, True),
   "stream_in_jit": (1, True),
   "stream_in_scan": (1, True),
   "scan": (1, True),
@@ -417,9 +416,6 @@ def _train_step(config, opt, mode="stream", contract=False, **kwargs):
 
 
 def _run_stream(config, plan, rng, key, *, variant):
-  if variant == "packed":  # Sums of every 2 or more leaves of a dtype packed.
-    with _backend.overridden(jax.default_backend(), min_leaves=2):
-      return _run_stream(config, plan, rng, key, variant="host")
   opt = _optimizer(config)
   params = _params(config, rng)
   params0 = jax.tree.map(_seen, params)
@@ -574,8 +570,8 @@ def _split_rows(rows: dict, devices: int, rng: np.random.Generator) -> dict:
 
 
 def _one_sum(state):
-  """``state`` with its accumulator as one sum: unpacked, or the replicas'
-  partial sums added up (in their dtype; inf + -inf: NaN, as wanted)."""
+  """``state`` with its accumulator as one sum: the replicas' partial sums
+  added up (in their dtype; inf + -inf: NaN, as wanted)."""
   acc = state.acc_grads
   if isinstance(acc, _layout.PerReplica):
     with np.errstate(invalid="ignore", over="ignore"):
@@ -619,7 +615,6 @@ RUNNERS = {
   "update_jit": functools.partial(_run_update, jit=True),
   "update_shard_map": _run_update_shard_map,
   "stream": functools.partial(_run_stream, variant="host"),
-  "stream_packed": functools.partial(_run_stream, variant="packed"),
   "stream_in_jit": functools.partial(_run_stream, variant="in_jit"),
   "stream_in_scan": functools.partial(_run_stream, variant="in_scan"),
   "scan": _run_scan,

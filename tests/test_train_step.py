@@ -147,7 +147,7 @@ def test_each_program_compiles_once_with_committed_arrays(mode, caplog):
   commit what the programs return: the first call's uncommitted state (from
   ``step.init``, ``opt.init`` or, in scan mode, the inner optimizer's) is
   committed alike, or every program compiles again on the second call."""
-  from benchmarks.accumulation import many_leaves  # 20 leaves: step.init packs.
+  from benchmarks.accumulation import many_leaves  # 20 small leaves.
 
   model = many_leaves(20, 8, 2)
   opt = optax_accum.MultiSteps(optax.adamw(1e-3), 4)
@@ -767,3 +767,58 @@ def test_jit_helper_split_is_traceable():
     {"x": jnp.arange(4)}
   )
   np.testing.assert_array_equal(split["x"], [[0, 2], [1, 3]])
+
+
+@pytest.mark.parametrize("committed", [False, True])
+def test_step_init_on_one_device_is_opt_init(committed):
+  """On one device ``step.init(params)`` gives ``opt.init(params)``'s state:
+  one sum, the same structure, bit for bit and placed alike (committed to
+  the params' device or not), on 20 small leaves (which it once packed),
+  and without compiling a program of its own."""
+  from benchmarks.accumulation import many_leaves
+
+  model = many_leaves(20, 8, 2)
+  device = jax.devices()[-1]
+  params = jax.device_put(model["params"], device if committed else None)
+  opt = optax_accum.MultiSteps(optax.adamw(1e-3), 4)
+  step = optax_accum.make_train_step(model["loss_fn"], opt)
+  want = opt.init(params)  # Whatever opt.init compiles, it compiles here.
+  compiled = []
+
+  def listener(event, duration, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiled.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    state = step.init(params)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert compiled == []
+  assert jax.tree.structure(state) == jax.tree.structure(want)
+  chex.assert_trees_all_equal(state, want)
+  placed = {(x.committed, *x.devices()) for x in jax.tree.leaves(state.acc_grads)}
+  assert placed == {(committed, device if committed else jax.devices()[0])}
+
+
+def test_scan_from_the_inner_state_passes_no_sums():
+  """From ``tx.init(params)`` the scan program neither takes nor returns the
+  window's sums (a buffer a leaf): the host passes params, inner state,
+  counters and batch, and gets back params, inner state, counters, metrics."""
+  from benchmarks import accumulation
+  from optax_accum._step._programs import counters as _counters
+
+  model = accumulation.MODELS["lm-1x8-b2"]()
+  opt = optax_accum.MultiSteps(optax.adamw(1e-3), 4)
+  step = optax_accum.make_train_step(model["loss_fn"], opt, mode="scan")
+  params, inner = model["params"], opt.inner_opt.init(model["params"])
+  window = optax_accum.split_micro_batches(model["batch"](4 * model["rows"]), 4)
+  lowered = step.lower(params, inner, window)
+  compiled = lowered.compile()
+  counters = _counters(opt.init(params))
+  expected_in = [params, inner, counters, window]
+  assert len(jax.tree.leaves(lowered.args_info)) == len(jax.tree.leaves(expected_in))
+  expected_out = [params, inner, counters]
+  metrics = len(jax.tree.leaves(jax.eval_shape(step, params, inner, window)[2]))
+  outputs = len(jax.tree.leaves(compiled.output_shardings))
+  assert outputs == len(jax.tree.leaves(expected_out)) + metrics

@@ -5,8 +5,10 @@ flow (:func:`once_if`, called by the programs) and what a buffer or a dispatch
 costs the host (:class:`Backend`, from :func:`of` and :func:`platform_of`).
 
 Examples:
-  >>> of("cpu").packs, of("cuda").packs, of("cpu").two_programs, of("tpu").two_programs
-  (True, False, True, False)
+  >>> of("cpu").groups_norm, of("cuda").groups_norm
+  (True, False)
+  >>> of("cpu").two_programs, of("tpu").two_programs
+  (True, False)
   >>> import jax.numpy as jnp
   >>> float(once_if(jnp.array(False), lambda x: x + 1, jnp.array(1.0)))
   1.0
@@ -26,15 +28,12 @@ import jax.numpy as jnp
 class Backend(NamedTuple):
   """The platform-dependent choices the host makes for a train step."""
 
-  packs: bool = False  # Whether small leaves' sums share buffers.
-  max_leaf_size: int = 4096  # Leaves of at most this many elements are packed.
-  min_leaves: int = 16  # A dtype with fewer small leaves is left as it is.
-  # Elements per group at most: its gradients stay live until concatenated, and
-  # XLA:CPU compiles a slice kernel for each distinct offset in a group.
-  max_group_size: int = 8192
   two_programs: bool = False  # A window ends in two programs: accumulate, then end.
-  # Whether the norm sums small leaves' squares a group at a time (_layout.norm_groups).
+  # Whether the norm sums small leaves' squares a group at a time (_layout.norm_groups):
+  # leaves of at most max_leaf_size elements, at most max_group_size per group.
   groups_norm: bool = False
+  max_leaf_size: int = 4096
+  max_group_size: int = 8192
   # XLA options for programs whose compile time matters more than their run
   # time (the audit's), or None.
   quick_compile: dict[str, Any] | None = None
@@ -48,12 +47,11 @@ _WITHOUT_LLVM_PASSES = {
   "xla_llvm_disable_expensive_passes": True,
 }
 #: By platform name (``jax.Device.platform``); others get ``_DEFAULT`` until
-#: measured there. XLA:CPU packs (a cost per buffer, a kernel per small add),
-#: runs two programs (a dispatch weighs as much as the work) and sums the norm
-#: by groups (a kernel per reduction to compile): docs/benchmarks.md.
+#: measured there. XLA:CPU runs two programs (a dispatch weighs as much as the
+#: work) and sums the norm by groups (a kernel per reduction to compile):
+#: docs/benchmarks.md.
 _BACKENDS = {
   "cpu": Backend(
-    packs=True,
     two_programs=True,
     groups_norm=True,
     quick_compile=_WITHOUT_LLVM_PASSES,
@@ -74,9 +72,9 @@ def overridden(platform: str, **choices: Any) -> Iterator[None]:
   Programs already built keep the choices they were built with.
 
   Examples:
-    >>> with overridden("cpu", min_leaves=2):
-    ...   of("cpu").min_leaves
-    2
+    >>> with overridden("cpu", groups_norm=False):
+    ...   of("cpu").groups_norm
+    False
   """
   before = _BACKENDS.get(platform)
   _BACKENDS[platform] = of(platform)._replace(**choices)

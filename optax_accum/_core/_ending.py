@@ -84,8 +84,7 @@ def end(
   update. The gradient takes the dtypes of ``like``'s leaves.
 
   Args:
-    sums: The window's sums over all replicas: one sum (laid out as ``like``)
-      or packed.
+    sums: The window's sums over all replicas: one sum (laid out as ``like``).
     loss: The window's loss (``MultiSteps.window_loss``), kept in the state.
     apply_to_params: Return ``params`` with the updates applied (in place
       where the backend allows) rather than the updates.

@@ -1,18 +1,16 @@
 """The accumulator's layout: a rule of the params, kept in the state's structure.
 
 ``opt_state.acc_grads`` holds the window's sums as one sum (laid out as the
-params), :class:`Packed` or :class:`PerReplica`, and its pytree structure says
-which (never a shape); :func:`relayout` converts a state to another's layout.
+params) or :class:`PerReplica`, and its pytree structure says which (never a
+shape); :func:`relayout` converts a state to another's layout. :class:`Packed`
+is only restored, from a checkpoint written before packing was removed: the
+step's first call and :func:`relayout` turn it into one sum.
 
 Examples:
   >>> import jax.numpy as jnp
-  >>> acc = {f"b{i}": jnp.full((2,), float(i)) for i in range(3)}
-  >>> packing = plan(acc, min_leaves=2)
-  >>> packed = pack(acc, packing)
-  >>> packed.groups[0].tolist(), packed.rest
-  ([0.0, 0.0, 1.0, 1.0, 2.0, 2.0], ())
-  >>> unpack(packed)["b2"].tolist()
-  [2.0, 2.0]
+  >>> acc = PerReplica({"w": jnp.ones((2, 3))}, ("data",))
+  >>> one_sum(acc)["w"].tolist()
+  [2.0, 2.0, 2.0]
 """
 
 from __future__ import annotations
@@ -29,34 +27,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from optax_accum._core import _backend, _checks, _window
-from optax_accum._core._state import MultiStepsConfig, MultiStepsState
-
-
-class Packing(NamedTuple):
-  """Which accumulator leaves share a buffer, and their shapes."""
-
-  treedef: Any
-  shapes: tuple[tuple[int, ...], ...]  # Each leaf's own shape, in tree order.
-  groups: tuple[tuple[int, ...], ...]  # Leaf indices, one buffer each.
-  rest: tuple[int, ...]  # The leaves kept as they are.
-
-  def size(self, group: tuple[int, ...]) -> int:
-    return sum(math.prod(self.shapes[i]) for i in group)
-
-
-@functools.partial(
-  jax.tree_util.register_dataclass,
-  data_fields=["groups", "rest"],
-  meta_fields=["packing"],
-)
-@dataclasses.dataclass(frozen=True)
-class Packed:
-  """A packed accumulator: ``groups`` (one flat buffer per group, its leaves
-  concatenated in tree order) and ``rest`` (the other leaves, in tree order)."""
-
-  groups: tuple[Any, ...]
-  rest: tuple[Any, ...]
-  packing: Packing
+from optax_accum._core._state import MultiStepsState
 
 
 @functools.partial(
@@ -69,38 +40,6 @@ class PerReplica:
 
   sums: Any
   axes: tuple[str, ...]
-
-
-def plan(
-  acc: Any,
-  params: Any = None,
-  max_leaf_size: int | None = None,
-  min_leaves: int | None = None,
-  max_group_size: int | None = None,
-) -> Packing | None:
-  """The packing of ``acc`` (one sum, arrays or shapes), or ``None`` if none.
-
-  Thresholds default to the backend's; a group's leaves share their dtype and
-  their params' dtype."""
-  backend = _backend.of(_backend.platform_of(params if params is not None else acc))
-  max_leaf_size = backend.max_leaf_size if max_leaf_size is None else max_leaf_size
-  min_leaves = backend.min_leaves if min_leaves is None else min_leaves
-  max_group = backend.max_group_size if max_group_size is None else max_group_size
-  leaves, treedef = jax.tree.flatten(acc)
-  likes = leaves if params is None else jax.tree.leaves(params)
-  by_dtype: dict[Any, list[int]] = {}
-  for i, (leaf, like) in enumerate(zip(leaves, likes, strict=True)):
-    if 1 <= math.prod(np.shape(leaf)) <= max_leaf_size:
-      key = (jnp.dtype(leaf.dtype), jnp.result_type(like))
-      by_dtype.setdefault(key, []).append(i)
-  shapes = tuple(tuple(np.shape(x)) for x in leaves)
-  chosen = [g for g in by_dtype.values() if len(g) >= min_leaves]
-  groups = tuple(g for c in chosen for g in _split(c, shapes, max_group) if len(g) > 1)
-  if not groups:
-    return None
-  packed = {i for group in groups for i in group}
-  rest = tuple(i for i in range(len(leaves)) if i not in packed)
-  return Packing(treedef, shapes, groups, rest)
 
 
 def _split(indices: list[int], shapes: Any, max_size: int) -> list[tuple[int, ...]]:
@@ -117,32 +56,16 @@ def _split(indices: list[int], shapes: Any, max_size: int) -> list[tuple[int, ..
   return [tuple(g) for g in groups]
 
 
-def packing_for(config: MultiStepsConfig, params: Any, acc: Any) -> Packing | None:
-  """The packing ``step.init`` gives the sums ``acc`` of ``params``, or ``None``.
-
-  None with loss terms (each has its own sums), ``should_skip_update_fn``
-  (which reads the sums as params), params on several devices or a backend
-  that does not pack. ``MultiSteps.init`` never packs: in the user's ``jit``,
-  each leaf reading its offset of a shared buffer is one more kernel to compile.
-  """
-  if config.terms is not None or config.should_skip_update_fn is not None:
-    return None
-  if not _backend.of(_backend.platform_of(params)).packs or devices(params) > 1:
-    return None
-  return plan(acc, params)
-
-
 def norm_groups(like: Any) -> _window.Groups:
   """Leaves of ``like`` (the params or the updates) whose squares the window's
   norm sums in one variadic reduction: small leaves of one shape and dtype, in
   groups of at most the backend's ``max_group_size`` elements, where the
   backend says so, on one device and outside a mesh context.
 
-  XLA:CPU compiles a kernel per distinct reduction, and a packed leaf's is its
-  own (it reads its own offset). A variadic reduction's sums differ from
-  single ones in their last bits, so the groups depend on ``like`` and the
-  backend alone, not on the state's layout: ``grad_norm`` is the same to the
-  bit in every layout.
+  XLA:CPU compiles a kernel per distinct reduction. A variadic reduction's
+  sums differ from single ones in their last bits, so the groups depend on
+  ``like`` and the backend alone, not on the state's layout: ``grad_norm`` is
+  the same to the bit in every layout.
 
   Examples:
     On the CPU:
@@ -203,75 +126,69 @@ def _concrete(x: Any) -> bool:
   return isinstance(x, jax.Array) and not _traced(x)
 
 
-# -- packing: traceable, one program each when called on arrays ---------------
+# -- a checkpoint's packed sums, written before packing was removed ------------
 
 
-def pack(acc: Any, packing: Packing) -> Packed:
-  """``acc`` (one sum) packed as ``packing`` says; ``ValueError`` if paths differ."""
-  check_params(acc, packing, name="the state's accumulator")
-  if _abstract(acc):
-    return jax.eval_shape(lambda a: _pack(a, packing), acc)
-  return _pack(acc, packing)
+class Packing(NamedTuple):
+  """Which accumulator leaves shared a buffer, and their shapes."""
+
+  treedef: Any
+  shapes: tuple[tuple[int, ...], ...]  # Each leaf's own shape, in tree order.
+  groups: tuple[tuple[int, ...], ...]  # Leaf indices, one buffer each.
+  rest: tuple[int, ...]  # The leaves kept as they were.
+
+  def size(self, group: tuple[int, ...]) -> int:
+    return sum(math.prod(self.shapes[i]) for i in group)
+
+
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=["groups", "rest"],
+  meta_fields=["packing"],
+)
+@dataclasses.dataclass(frozen=True)
+class Packed:
+  """Packed sums, as checkpoints written before packing was removed hold them:
+  ``groups`` (one flat buffer per group, its leaves concatenated in tree order)
+  and ``rest`` (the other leaves, in tree order). Only restored
+  (:func:`~optax_accum.resume_target`), then made one sum (:func:`unpack`)."""
+
+  groups: tuple[Any, ...]
+  rest: tuple[Any, ...]
+  packing: Packing
+
+
+def packing_of(shapes: Any) -> Packing | None:
+  """How ``step.init`` packed the sums ``shapes`` (one sum) on one CPU device
+  before packing was removed, or ``None`` if it did not: leaves of 1 to 4096
+  elements, by dtype where a dtype had at least 16, in consecutive groups of
+  at most 8192 elements."""
+  leaves, treedef = jax.tree.flatten(shapes)
+  sizes = [tuple(np.shape(x)) for x in leaves]
+  by_dtype: dict[Any, list[int]] = {}
+  for i, leaf in enumerate(leaves):
+    if 1 <= math.prod(sizes[i]) <= 4096:
+      by_dtype.setdefault(jnp.dtype(leaf.dtype), []).append(i)
+  chosen = (g for g in by_dtype.values() if len(g) >= 16)
+  groups = tuple(g for c in chosen for g in _split(c, sizes, 8192) if len(g) > 1)
+  if not groups:
+    return None
+  packed = {i for group in groups for i in group}
+  rest = tuple(i for i in range(len(leaves)) if i not in packed)
+  return Packing(treedef, tuple(sizes), groups, rest)
 
 
 def unpack(acc: Packed) -> Any:
-  """``acc`` as one sum: every leaf in its own shape."""
-  if _on_host(acc):
-    return unpacked(acc.packing, acc.groups, acc.rest, np)
+  """``acc`` as one sum: every leaf in its own shape (on the host if it is there)."""
   if _abstract(acc):
-    return jax.eval_shape(_unpack, acc)
-  return _unpack(acc)
-
-
-def packed_zeros(acc: Any, packing: Packing) -> Packed:
-  """An empty window's sums ``acc`` (arrays of zeros) packed without compiling a
-  program: zeros made on the host and put as ``acc``'s leaves are, committed to
-  their device or not (else the first call's program would compile twice)."""
-  leaves = jax.tree.leaves(acc)
-  if not all(map(_concrete, leaves)):
-    return pack(acc, packing)
-
-  def zeros(group: tuple[int, ...]) -> jax.Array:
-    like = leaves[group[0]]
-    host = np.zeros(packing.size(group), like.dtype)
-    return jax.device_put(host, like.sharding if like.committed else None)
-
-  groups = tuple(zeros(group) for group in packing.groups)
-  return Packed(groups, tuple(leaves[i] for i in packing.rest), packing)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _pack(acc: Any, packing: Packing) -> Packed:
-  return Packed(*packed(acc, packing), packing)
-
-
-@jax.jit
-def _unpack(acc: Packed) -> Any:
-  return unpacked(acc.packing, acc.groups, acc.rest)
-
-
-def packed(acc: Any, packing: Packing) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-  """Inside a program: one sum's leaves as (group buffers, other leaves)."""
-  leaves = jax.tree.leaves(acc)
-  groups = tuple(
-    jnp.concatenate([jnp.ravel(leaves[i]) for i in group]) for group in packing.groups
-  )
-  return groups, tuple(leaves[i] for i in packing.rest)
-
-
-def packed_like(grads: Any, packing: Packing, name: str = "updates") -> Packed:
-  """Inside a program: ``grads`` laid out as ``packing``'s sums, checked by path
-  at trace time."""
-  check_params(grads, packing, name=name)
-  return Packed(*packed(grads, packing), packing)
-
-
-def unpacked(packing: Packing, groups: Any, rest: Any, xp: Any = jnp) -> Any:
-  """Inside a program: (group buffers, other leaves) as one sum."""
+    return jax.eval_shape(unpack, acc)
+  on_host = all(isinstance(x, np.ndarray | np.generic) for x in jax.tree.leaves(acc))
+  xp = np if on_host else jnp
+  packing = acc.packing
   out: list[Any] = [None] * len(packing.shapes)
-  for i, leaf in zip(packing.rest, rest, strict=True):
+  for i, leaf in zip(packing.rest, acc.rest, strict=True):
     out[i] = leaf
-  for group, buffer in zip(packing.groups, groups, strict=True):
+  for group, buffer in zip(packing.groups, acc.groups, strict=True):
     start = 0
     for i in group:
       stop = start + math.prod(packing.shapes[i])
@@ -280,30 +197,8 @@ def unpacked(packing: Packing, groups: Any, rest: Any, xp: Any = jnp) -> Any:
   return jax.tree.unflatten(packing.treedef, out)
 
 
-def like_params(packing: Packing) -> Any:
-  """Shapes of the sums ``packing`` was planned for, laid out as one sum."""
-  shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in packing.shapes]
-  return jax.tree.unflatten(packing.treedef, shapes)
-
-
-def check_params(params: Any, packing: Packing, name: str = "params") -> None:
-  """Raises ``ValueError`` naming the first leaf of ``params`` a packed
-  accumulator does not have (or has in another shape)."""
-  _checks.check_tree_matches(
-    params,
-    like_params(packing),
-    name=name,
-    ref_name="the packed accumulator (step.init of the params it was made for; "
-    "a state of other params starts from step.init(params))",
-  )
-
-
 def _traced(x: Any) -> bool:
   return isinstance(x, jax.core.Tracer)
-
-
-def _on_host(tree: Any) -> bool:
-  return all(isinstance(x, np.ndarray | np.generic) for x in jax.tree.leaves(tree))
 
 
 def _abstract(tree: Any) -> bool:
@@ -341,30 +236,31 @@ def relayout(state: MultiStepsState, like: MultiStepsState) -> MultiStepsState:
   """``state`` with its accumulator in the layout of ``like``'s.
 
   ``like`` is a state of the same params from ``opt.init(params)`` or, for a
-  train step on a mesh, ``step.init(params)``. Packing and unpacking are
-  exact, and so is a sum becoming the first replica's partial sum; partial
-  sums for another layout are added up first (a rounding per add). Arrays
-  take the placement of ``like``'s.
+  train step on a mesh, ``step.init(params)``. A sum becoming the first
+  replica's partial sum is exact, and so is unpacking a checkpoint's packed
+  sums (:class:`Packed`, written before packing was removed); partial sums for
+  another layout are added up first (a rounding per add). Arrays take the
+  placement of ``like``'s.
 
   Raises:
     ValueError: if the two accumulators are not of the same params.
 
   Examples:
-    A train step's packed state (20 small leaves, one device) as one sum and
-    back:
+    A checkpoint's packed sums (20 leaves in one buffer), restored against
+    :func:`~optax_accum.resume_target`'s target, as one sum:
 
-    >>> import jax.numpy as jnp, optax, optax_accum
-    >>> params = {f"b{i}": jnp.zeros(2) for i in range(20)}
+    >>> import numpy as np, optax, optax_accum
+    >>> params = {f"b{i:02d}": np.zeros(2, np.float32) for i in range(20)}
     >>> opt = optax_accum.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
-    >>> step = optax_accum.make_train_step(lambda p, b: (p["b0"].sum(), 1.0), opt)
-    >>> state = step.init(params)
-    >>> type(state.acc_grads).__name__
+    >>> saved = {"acc_grads": {"groups": [np.arange(40, dtype=np.float32)], "rest": ()}}
+    >>> restored = optax_accum.resume_target(opt.init(params), saved)
+    >>> type(restored.acc_grads).__name__
     'Packed'
-    >>> one = optax_accum.relayout(state, opt.init(params))
-    >>> type(one.acc_grads).__name__, one.acc_grads["b3"].shape
-    ('dict', (2,))
-    >>> type(optax_accum.relayout(one, state).acc_grads).__name__
-    'Packed'
+    >>> restored = restored._replace(acc_grads=optax_accum.Packed(
+    ...   (np.arange(40, dtype=np.float32),), (), restored.acc_grads.packing))
+    >>> one = optax_accum.relayout(restored, opt.init(params))
+    >>> type(one.acc_grads).__name__, one.acc_grads["b03"].tolist()
+    ('dict', [6.0, 7.0])
   """
   acc = state.acc_grads
   target = None if like is None else like.acc_grads
@@ -388,7 +284,7 @@ def relayout(state: MultiStepsState, like: MultiStepsState) -> MultiStepsState:
 def one_sum_shapes(acc: Any) -> Any:
   """Shapes of ``acc`` as one sum."""
   if isinstance(acc, Packed):
-    return like_params(acc.packing)
+    return jax.eval_shape(unpack, acc)
   if isinstance(acc, PerReplica):
     return jax.tree.map(
       lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], a.dtype), acc.sums
@@ -411,13 +307,7 @@ def converted(acc: Any, target: Any) -> Any:
     total = one_sum(acc)
     sums = jax.tree.map(lambda t, a: _first_placed(t, n, a), total, target.sums)
     return PerReplica(sums, target.axes)
-  total = one_sum(acc)
-  if isinstance(target, Packed):
-    first = jax.tree.leaves(target)[:1]
-    if first and isinstance(first[0], jax.Array):
-      total = jax.device_put(total, first[0].sharding)
-    return pack(total, target.packing)
-  return jax.tree.map(_placed_like, total, target)
+  return jax.tree.map(_placed_like, one_sum(acc), target)
 
 
 def _placed_like(x: Any, like: Any) -> Any:

@@ -58,16 +58,19 @@ def _check_optimizer(opt: Any) -> None:
     )
 
 
-def _packing(state: MultiStepsState) -> _layout.Packing | None:
-  """The packing of ``state``'s sums, or ``None`` for one sum."""
+def _check_one_sum(state: MultiStepsState) -> None:
+  """Raises ``ValueError`` unless ``state``'s sums are one sum."""
   acc = state.acc_grads
-  if isinstance(acc, _layout.PerReplica):
+  if isinstance(acc, _layout.PerReplica | _layout.Packed):
+    kind = (
+      "per-replica partial sums (a train step's state on a mesh, from step.init)"
+      if isinstance(acc, _layout.PerReplica)
+      else "packed sums (restored from a checkpoint written before packing was removed)"
+    )
     raise ValueError(
-      "`state` holds per-replica partial sums (a train step's state on a mesh, "
-      "from step.init): MultiSteps.update takes one sum. Convert it with "
+      f"`state` holds {kind}: MultiSteps.update takes one sum. Convert it with "
       "optax_accum.relayout(state, opt.init(params))."
     )
-  return acc.packing if isinstance(acc, _layout.Packed) else None
 
 
 def _warn_unweighted() -> None:
@@ -102,9 +105,8 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
   kind of micro-batch (padding only, a bad weight, a non-finite gradient)
   does to the window is in ``docs/multi_steps.md``.
 
-  :meth:`init` lays the sums out as the params; a train step's
-  ``step.init`` may pack them (``acc_grads`` a ``Packed`` node), and every
-  call returns the layout it was given.
+  :meth:`init` lays the sums out as the params (one sum), as a train step's
+  ``step.init`` does on one device; every call returns the layout it was given.
 
   Args:
     opt: The optimizer to run once per window.
@@ -354,14 +356,12 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
     if weight is None:
       self._warn_unweighted()
     _reduction.check_replicas(self.config.axis_name, weight)
-    packing = _packing(state)
+    _check_one_sum(state)
     reduction = _reduction.policy(self.config.axis_name)
-    # Added as laid out: a packed state's groups in one pass each.
-    laid_out = updates if packing is None else _layout.packed_like(updates, packing)
     added, counted = add_micro_batch(
       self.config,
       state,
-      laid_out,
+      updates,
       params,
       weight=weight,
       loss=loss,

@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from optax_accum._core import _backend, _layout
+from optax_accum._core import _layout
 from optax_accum._core._layout import Packed, PerReplica
 from optax_accum._core._state import MultiStepsState
 
@@ -50,8 +50,8 @@ def resume_target(state: MultiStepsState, saved: Any) -> MultiStepsState:
     ``optax_accum.relayout(restored, step.init(params))``).
 
   Raises:
-    ValueError: if ``saved`` is packed for a packing these params do not
-      give, or its sums are not of these params.
+    ValueError: if ``saved`` holds packed sums (:class:`~optax_accum.Packed`,
+      written before packing was removed) that are not of these params.
   """
   held = _field(saved, "held", None)
   if held is not None:  # A streamed coupled window's micro-batches.
@@ -64,7 +64,7 @@ def resume_target(state: MultiStepsState, saved: Any) -> MultiStepsState:
   )
   groups = _field(acc, "groups", None)
   if groups is not None:
-    return state._replace(acc_grads=_packed(state, shapes, groups))
+    return state._replace(acc_grads=_packed(shapes, groups))
   sums = _field(acc, "sums", None)
   if sums is None:  # One sum.
     return state._replace(acc_grads=jax.tree.map(_zeros, shapes))
@@ -75,30 +75,21 @@ def resume_target(state: MultiStepsState, saved: Any) -> MultiStepsState:
   return state._replace(acc_grads=PerReplica(stacked, tuple(axes)))
 
 
-def _packed(state: MultiStepsState, shapes: Any, groups: Any) -> Packed:
-  """A packed target: the state's packing, or the one XLA:CPU's thresholds
-  give these params; its group sizes must be the saved ones."""
-  given = state.acc_grads
-  packing: _layout.Packing | None = None
-  if isinstance(given, Packed):
-    packing = given.packing
-  else:
-    cpu = _backend.of("cpu")
-    packing = _layout.plan(shapes, None, cpu.max_leaf_size, cpu.min_leaves)
+def _packed(shapes: Any, groups: Any) -> Packed:
+  """A target for a checkpoint's packed sums (written before packing was
+  removed): the packing ``step.init`` gave these params, its group sizes the
+  saved ones."""
+  packing = _layout.packing_of(shapes)
   saved = [int(np.prod(np.shape(g))) for g in _leaves(groups)]
   if packing is None or [packing.size(g) for g in packing.groups] != saved:
     raise ValueError(
-      f"`saved` is packed in groups of {saved} elements, which these params' "
-      "packing does not give. Restore it against `step.init(params)` of the "
-      "step that saved it, then optax_accum.relayout(restored, state)."
+      f"`saved` is packed in groups of {saved} elements, which step.init did "
+      "not give these params: it holds the sums of other params. Restore it "
+      "against a state of the params it was saved with."
     )
   leaves = [_zeros(s) for s in jax.tree.leaves(shapes)]
-  dtypes = [g.dtype for g in given.groups] if isinstance(given, Packed) else None
   return Packed(
-    tuple(
-      np.zeros(packing.size(g), dtypes[n] if dtypes else leaves[g[0]].dtype)
-      for n, g in enumerate(packing.groups)
-    ),
+    tuple(np.zeros(packing.size(g), leaves[g[0]].dtype) for g in packing.groups),
     tuple(leaves[i] for i in packing.rest),
     packing,
   )

@@ -45,11 +45,11 @@ class MultiStepsState(NamedTuple):
       of ``weight * grad`` (``grad_reduction="mean"``) or of ``grad``
       (``"sum"``). While ``mini_step`` is 0 it counts as zeros, whatever it
       holds (the window's first micro-batch overwrites it). Its pytree
-      structure says its layout: laid out as the params (``init``),
-      ``Packed`` (the sums of many small leaves in a few buffers, from a
+      structure says its layout: laid out as the params (``init``, and a
       train step's ``step.init`` on one device) or ``PerReplica`` (each
       replica's partial sum, from ``step.init`` on a mesh);
-      ``optax_accum.relayout`` converts.
+      ``optax_accum.relayout`` converts (and turns a ``Packed`` node, restored
+      from a checkpoint written before packing was removed, into one sum).
     acc_weight: float ``[]``, the accumulator's widest dtype. The window's
       running sum of weights.
     acc_loss: Like ``acc_weight``. The window's running sum of

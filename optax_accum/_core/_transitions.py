@@ -139,7 +139,7 @@ def add_micro_batch(
     state.acc_grads,
     name="updates",
     ref_name="the accumulator (from init(params); a train step's state, "
-    "packed or per replica, goes back to that step)",
+    "per replica, goes back to that step)",
   )
   if config.noise_scale and not _noise.measures(state.noise_scale):
     raise ValueError(

@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from optax_accum._core import _layout
 from optax_accum._core._checks import whole_number
 from optax_accum._core._multi_steps import MultiSteps, MultiStepsState
 
@@ -109,12 +108,9 @@ def _row_shards(path: Any, leaf: jax.ShapeDtypeStruct) -> int:
 
 def opt_state_structs(opt_state: Any, optimizer: MultiSteps, params: Any) -> Any:
   """The given ``MultiSteps`` state as structs, or the one a train step's
-  ``step.init(params)`` would build (packed where the step packs)."""
+  ``step.init(params)`` would build on one device."""
   if opt_state is None:
     state = jax.eval_shape(optimizer.init, params)
-    packing = _layout.packing_for(optimizer.config, params, state.acc_grads)
-    if packing is not None:
-      state = state._replace(acc_grads=_layout.pack(state.acc_grads, packing))
     return _sharded_like_params(state, params)
   opt_state = jax.tree.map(struct, opt_state)
   if not isinstance(opt_state, MultiStepsState):

@@ -1,5 +1,5 @@
 """The Layout protocol, one class per accumulator layout (:class:`OneSum` here;
-``_packed``, ``_replicas``, ``_deferred``), and :func:`programs`, which builds
+``_replicas``, ``_deferred``), and :func:`programs`, which builds
 any layout's programs (docs/development.md lists the layouts)."""
 
 from __future__ import annotations

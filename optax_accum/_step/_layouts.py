@@ -10,13 +10,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 
-from optax_accum._core import _backend, _checks, _layout
-from optax_accum._core._layout import Packed, PerReplica, committed
+from optax_accum._core import _checks, _layout
+from optax_accum._core._layout import PerReplica, committed
 from optax_accum._core._multi_steps import MultiStepsState
 from optax_accum._step import _deferred
 from optax_accum._step._deferred import DeferredLayout
 from optax_accum._step._layout import ONE_SUM, Layout, programs
-from optax_accum._step._packed import PackedLayout
 from optax_accum._step._programs import Bodies, counters
 from optax_accum._step._replicas import (
   PerReplicaLayout,
@@ -41,24 +40,19 @@ class Layouts:
     self.donate = donate
     self._built: dict[Layout, Pair] = {}
     self._chosen: dict[Any, DeferredLayout] = {}
-    self._packed: dict[Any, PackedLayout | None] = {}
 
   def arranged(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any = None
   ) -> tuple[Any, MultiStepsState, Layout]:
     """Params, ``opt_state`` in the call's layout, and that layout: if traced or on
-    no mesh the state's own (see :meth:`restacked`), else per-replica where it can."""
-    acc = opt_state.acc_grads
+    no mesh one sum (see :meth:`restacked`), else per-replica where it can."""
     traced = is_traced(params, opt_state, batch)
     mesh = None if traced else mesh_of(params, batch)
     if traced or (mesh is None and not self._replica_axes):
-      own: Layout = (
-        self._packed_layout(acc.packing) if isinstance(acc, Packed) else ONE_SUM
-      )
-      opt_state = self.stored(opt_state, own)
+      opt_state = self.stored(opt_state, ONE_SUM)
       if traced:
-        return params, opt_state, own
-      return (*committed((params, opt_state), (params, batch)), own)
+        return params, opt_state, ONE_SUM
+      return (*committed((params, opt_state), (params, batch)), ONE_SUM)
     if mesh is not None:
       params, opt_state = as_returned((params, opt_state), mesh)
     layout = self._data_layout(params, opt_state, batch, rng) or ONE_SUM
@@ -81,10 +75,10 @@ class Layouts:
 
   def init_layout(self, params: Any) -> Layout:
     """``step.init``'s layout: on a mesh, partial sums over ``axis_name`` or else the
-    ``Explicit`` axes no param is split over; else packed where ``packing_for`` says."""
+    ``Explicit`` axes no param is split over; else one sum."""
     mesh = mesh_of(params)
     layout = None if mesh is None else self._init_per_replica(params, mesh)
-    return layout or self._packed_for(params) or ONE_SUM
+    return layout or ONE_SUM
 
   def _init_per_replica(self, params: Any, mesh: Any) -> PerReplicaLayout | None:
     config = self.bodies.config
@@ -103,7 +97,7 @@ class Layouts:
     return DeferredLayout(mesh, axes, (False,) * len(jax.tree.leaves(params)))
 
   def on_one_sum(self, params: Any, inner: Any, batch: Any) -> bool:
-    """Whether an empty-window call runs on one unpacked sum: traced or no mesh."""
+    """Whether an empty-window call runs on one sum: traced or no mesh."""
     if is_traced(params, inner, batch):
       return True
     return mesh_of(params, batch) is None and not self._replica_axes
@@ -129,24 +123,6 @@ class Layouts:
   def _replica_axes(self) -> tuple[str, ...]:
     """The step's ``axis_name`` as a tuple (``()`` for none)."""
     return _checks.axes(self.bodies.config.axis_name)
-
-  def _packed_for(self, params: Any) -> PackedLayout | None:
-    """The packed layout for ``params`` on one device, or ``None``; per shapes."""
-    key = avals(params)
-    if key not in self._packed:
-      optimizer = self.bodies.optimizer
-      acc = jax.eval_shape(optimizer.init, params).acc_grads
-      packing = _layout.packing_for(optimizer.config, params, acc)
-      platform = _backend.platform_of(params)
-      self._packed[key] = None if packing is None else PackedLayout(packing, platform)
-    return self._packed[key]
-
-  def _packed_layout(self, packing: _layout.Packing) -> PackedLayout:
-    """A packed state's layout, on the platform :meth:`_packed_for` planned it for."""
-    for layout in self._packed.values():
-      if layout is not None and layout.packing == packing:
-        return layout
-    return PackedLayout(packing, jax.default_backend())
 
   def _deferred_layout(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any

@@ -197,23 +197,13 @@ class Bodies:
     added, counted = ms.add_micro_batch(
       self.config,
       state,
-      self.accumulated(grads),
+      grads,
       params,
       weight=weight,
       loss=value,
       reduction=self.reduction if reduction is None else reduction,
     )
     return added, counted, aux
-
-  # -- the accumulator's layout: the params' own here (see _packed) -------------
-
-  def accumulated(self, grads: Any) -> Any:
-    """A micro-batch's gradient laid out as the accumulator holds it."""
-    return grads
-
-  def as_params(self, acc: Any) -> Any:
-    """The accumulator laid out as the params, for the optimizer."""
-    return acc
 
   # -- the programs (see _signature) ---------------------------------------
 
@@ -245,9 +235,7 @@ class Bodies:
   ) -> Outputs:
     """The window of ``added`` ended if it is full or ``end_window``."""
     ends = ms.window_ends(self.config, added, counted, end_window)
-    # The sums cut into the params' leaves once, before the optimizer's loop:
-    # the norm's per-leaf sums then reduce the same arrays as unpacked.
-    window = self.reduction.window_gradient(self.as_params(added.acc_grads))
+    window = self.reduction.window_gradient(added.acc_grads)
     summed = added._replace(acc_grads=window)
     params, inner, counters_, out = self._end(summed, ends, params)
     # The accumulator keeps the window's sum (or this replica's partial sum):
@@ -282,9 +270,7 @@ class Bodies:
       window = jax.tree.map(
         lambda total, a: total + jnp.where(streamed, a, jnp.zeros_like(a)), window, acc
       )
-    summed = added._replace(
-      acc_grads=self.as_params(window), inner_opt_state=inputs.inner
-    )
+    summed = added._replace(acc_grads=window, inner_opt_state=inputs.inner)
     params, inner, counters_, out = self._end(summed, jnp.array(True), params)
     sums = None if empty else partial_sums if partial else window
     return Outputs(params, inner, sums, counters_, out, auxs)

@@ -254,9 +254,8 @@ class TrainStep:
 
   def init(self, params: optax.Params) -> MultiStepsState:
     """The optimizer state to start a run from: ``self.optimizer.init(params)``
-    in the layout this step keeps. On one device, many small leaves' sums
-    packed where the backend packs (:class:`~optax_accum._core._layout.Packed`);
-    on a mesh under plain ``jit``, per-replica partial sums
+    in the layout this step keeps. On one device, one sum (as
+    ``opt.init(params)``); on a mesh under plain ``jit``, per-replica partial sums
     (:class:`~optax_accum._core._layout.PerReplica`): over ``axis_name``'s
     axes, or on an ``Explicit`` mesh over the ``Explicit`` axes no param is
     split over. Every path keeps a state's layout (``opt.init(params)``'s
