@@ -169,6 +169,8 @@ class TrainStep:
     count = _update_count(opt_state)
     if count is not None:  # The inner state's own count, as the metric's.
       state = state._replace(gradient_step=count)
+      if not is_traced(params, state, batch):  # Placed as the programs return it.
+        state = committed(state, (params, batch))
     params, state, metrics_ = self._run_update(params, state, batch, rng, layout=layout)
     if count is None:  # Nothing counts updates: no metric rather than 1 each window.
       metrics_.pop("update_count")
