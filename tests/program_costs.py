@@ -1,16 +1,11 @@
 """XLA's cost and memory figures of the train step's programs on benchmark models.
 
-``python -m tests.program_costs`` writes them to ``tests/data/program_costs.json``
-(fully optimised: ``JAX_DISABLE_MOST_OPTIMIZATIONS=0``);
+``XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m
+tests.program_costs`` writes them to ``tests/data/program_costs.json`` (fully
+optimised, as the test suite's 8 CPU devices: ``JAX_DISABLE_MOST_OPTIMIZATIONS=0``);
 ``tests/test_program_costs.py`` checks that no program does more work than the
 recorded figures. Both are deterministic for one jax version, so a refactor
-that adds a pass or a buffer to a program fails the test. Recorded again when
-packing was removed: the packed accumulator's entries went; the others'
-programs lower to the same text as before the removal, their figures taken
-anew (the 400-leaf update programs' scratch was 3,200 bytes above the older
-record). Every update program's bytes and scratch
-were raised by 64-6,508 bytes when the window's norm and finite check moved
-into a loop of their own (issue 29).
+that adds a pass or a buffer to a program fails the test.
 """
 
 from __future__ import annotations

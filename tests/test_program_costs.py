@@ -1,10 +1,10 @@
 """No program of the train step does more work than the recorded figures, and
 on the benchmark's LM the accumulate program no more than a hand-written call.
 
-The figures (``tests/data/program_costs.json``) were recorded with
-``python -m tests.program_costs`` before the layering change of issue 24: XLA's
-FLOPs, bytes accessed and scratch bytes of each program on the benchmark
-models, deterministic for one jax version.
+The figures (``tests/data/program_costs.json``) are XLA's FLOPs, bytes
+accessed and scratch bytes of each program on the benchmark models, recorded
+from a default build with ``python -m tests.program_costs`` (see its
+docstring); deterministic for one jax version.
 """
 
 import json
@@ -16,7 +16,7 @@ import program_costs
 import pytest
 
 import optax_accum
-from benchmarks.accumulation import MODELS
+from benchmarks.accumulation import causal_lm
 
 #: Bytes a program may access beyond the record: 16 float32 scalars. The
 #: layered programs access 12 to 28 bytes more than the recorded ones on three
@@ -24,20 +24,9 @@ from benchmarks.accumulation import MODELS
 #: are 4 to 6 lower), against 18 MB or more for the whole program.
 SCALAR_BYTES = 64
 
-#: Figures recorded from a default build (`python -m tests.program_costs`).
-pytestmark = pytest.mark.full_optimization
-
 
 def _recorded():
   return json.loads(program_costs.RECORD.read_text())
-
-
-#: The 400-leaf configurations run in the long run: 15 to 23 s of CPU each.
-LONG = {c for c in program_costs.CONFIGS if c[0] == "leaves-400x32-b4"}
-CONFIGS = [
-  pytest.param(c, marks=pytest.mark.long) if c in LONG else c
-  for c in program_costs.CONFIGS
-]
 
 
 @pytest.mark.skipif(
@@ -45,7 +34,8 @@ CONFIGS = [
   reason="figures recorded with another jax version: XLA's own figures differ",
 )
 @pytest.mark.slow
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: str(c))
+@pytest.mark.full_optimization  # Figures recorded from a default build.
+@pytest.mark.parametrize("config", program_costs.CONFIGS, ids=lambda c: str(c))
 def test_programs_do_no_more_work_than_recorded(config):
   recorded = _recorded()["programs"][program_costs.key(*config)]
   measured = program_costs.program_costs(*config)
@@ -66,13 +56,14 @@ LM_SLACK = 1.005
   reason="XLA:CPU's figures: XLA:GPU counts its fusions' bytes otherwise (this "
   "bound failed on an H100, issue 49); benchmarks/accelerator.py times the GPU",
 )
-@pytest.mark.long  # 39 s of CPU: the 12-block LM's programs, fully optimised.
 def test_lm_accumulate_program_does_the_hand_written_calls_work():
   """Issue 29: on the benchmark's LM a streamed micro-step costs what the
   token-weighted accumulate call a user would write costs (gradient, one
   weighted add into the donated sums), so the stream / floor ratio measures
-  noise and dispatch, not extra work."""
-  model = MODELS["lm-12x64-b8"]()
+  noise and dispatch, not extra work. Two of the LM's 12 blocks, the same
+  width and batch: the programs repeat per block, and both sides compile
+  alike (XLA's figures are the HLO's, the same without LLVM's passes)."""
+  model = causal_lm(2, 64, 4, 32, 8)
   loss_fn, params = model["loss_fn"], model["params"]
   batch = jax.device_put(model["batch"](model["rows"]))
 
