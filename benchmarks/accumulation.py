@@ -603,6 +603,7 @@ def bench_model(
   # (4) optax_accum streaming: as users call it, traced in their jit, blocked.
   accum = optax_accum.MultiSteps(adamw, k)
   step = optax_accum.make_train_step(loss_fn, accum)
+  state0 = step.init(params0)
 
   results["stream_accumulate"] = _analysis(
     step.lower(params0, state0, micro, program="accumulate")
