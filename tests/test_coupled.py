@@ -554,10 +554,16 @@ def test_a_loader_that_refills_one_buffer_trains_on_each_micro_batch():
   step = optax_accum.make_train_step(CLIP, optax.sgd(1.0), every_k_schedule=k)
   buffer = jax.tree.map(lambda x: np.zeros(x[::k].shape, x.dtype), batch)
   moved, state = jax.tree.map(jnp.copy, params), step.init(params)
+  buffer["big"] = np.zeros((4, 2**20), np.float32)  # Refilled as its copy runs.
   for i in range(k):
     for name, x in batch.items():
       buffer[name][...] = np.asarray(x[i::k])  # Refilled in place.
+    buffer["big"][...] = i
     moved, state, metrics = step(moved, state, buffer)
+    buffer["big"][...] = -1.0
+    if i < k - 1:
+      held = state.held[-1]["big"]
+      assert float(held.min()) == float(held.max()) == i
   whole = jax.grad(CLIP.whole_batch)(params, batch)
   assert bool(metrics["updated"])
   assert _rel(jax.tree.map(jnp.subtract, params, moved), whole) <= 1e-5
@@ -751,6 +757,8 @@ def test_the_coupled_steps_messages_name_the_cause():
     ValueError, match=r"must return \(loss, weight\).*got float32\[\]"
   ):
     bare_step(params, bare_step.init(params), window)
+  with pytest.raises(ValueError, match=r"batch leaf \['n'\] has no row axis"):
+    step(params, step.init(params), {**window, "n": jnp.ones(2)})
   given = jax.tree.map(jnp.copy, params)
   state = step.init(given)
   step(given, state, window)
@@ -779,4 +787,32 @@ def test_a_streamed_window_saved_mid_window_with_orbax_resumes(tmp_path):
   restored = saver.restore(tmp_path / "ckpt", {"params": params, "opt_state": target})
   assert len(restored["opt_state"].held) == 3
   got = _streamed(step, restored["params"], restored["opt_state"], micro[3:])[0]
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_a_window_of_tuples_restored_from_orbax_mid_window_resumes(tmp_path):
+  """Orbax restores the held micro-batches' tuples as lists: the next call
+  takes them in its own micro-batch's tree."""
+  import orbax.checkpoint as ocp
+
+  def represent(params, batch):
+    x, mask = batch
+    return clip_represent(params, {"image": x, "text": x[:, :TEXT], "mask": mask})
+
+  def loss(z, batch):
+    return info_nce(z, {"mask": batch[1]})
+
+  coupled = optax_accum.CoupledLoss(represent, loss)
+  step = optax_accum.make_train_step(coupled, optax.sgd(0.1), every_k_schedule=2)
+  params, batch = _clip_params(jnp.float32), _clip_batch(jnp.float32)
+  micro = [(batch["image"][i::2], batch["mask"][i::2]) for i in range(2)]
+  p, s, _ = step(jax.tree.map(jnp.copy, params), step.init(params), micro[0])
+  saver = ocp.StandardCheckpointer()
+  saver.save(tmp_path / "ckpt", {"params": p, "opt_state": s})
+  saver.wait_until_finished()
+  want = step(p, s, micro[1])[0]
+  saved = saver.metadata(tmp_path / "ckpt").item_metadata["opt_state"]
+  target = optax_accum.resume_target(step.init(params), saved)
+  restored = saver.restore(tmp_path / "ckpt", {"params": params, "opt_state": target})
+  got = step(restored["params"], restored["opt_state"], micro[1])[0]
   jax.tree.map(np.testing.assert_array_equal, got, want)

@@ -217,6 +217,20 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
     self._given_opt, self._opt = opt, optax.with_extra_args_support(opt)
     self._warned = False
 
+  def __init_subclass__(cls, **kwargs: Any) -> None:
+    super().__init_subclass__(**kwargs)
+    _register(cls)
+
+  def __repr__(self) -> str:
+    return f"{type(self).__name__}({self._given_opt!r}, {self.config!r})"
+
+  def _replace(self, **changes: Any) -> MultiSteps:
+    """Refused: the tuple optax unpacks is derived; use :meth:`replace`."""
+    raise TypeError(
+      f"MultiSteps._replace({', '.join(changes)}): use MultiSteps.replace(...) "
+      "with constructor arguments."
+    )
+
   def _warn_unweighted(self) -> None:
     """Says once per instance, when traced, that no weight means optax's mean."""
     if not (self._warned or self.config.grad_reduction == "window_mean"):
@@ -400,7 +414,9 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
     return optax.GradientTransformationExtraArgs(init=self.init, update=self.update)
 
 
-# A transformation, not data: no leaves (JAX would otherwise flatten the tuple).
-jax.tree_util.register_pytree_node(
-  MultiSteps, lambda tx: ((), tx), lambda tx, children: tx
-)
+def _register(cls: type) -> None:
+  """A transformation, not data: no leaves (JAX would flatten the tuple)."""
+  jax.tree_util.register_pytree_node(cls, lambda tx: ((), tx), lambda tx, _: tx)
+
+
+_register(MultiSteps)

@@ -53,16 +53,31 @@ def check_replicas(
   varying = frozenset().union(*map(varying_axes, weights)) if typed else set(manual)
   if not varying:
     return
+  raise _unnamed(manual, where, "with a `weight` that can differ per replica, ")
+
+
+def check_named_axes(axis_name: AxisName | None, reduced: Any, where: str) -> None:
+  """Refuses manual mesh axes (``shard_map``, ``pmap``) that neither
+  ``axis_name`` nor the step's own reduction names, whatever the weight: the
+  gradients of replicated params come back summed over them, or each replica
+  keeps its own window. ``axis_name=()`` opts out."""
+  if axis_name is not None or reduced:
+    return
+  manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+  if manual:
+    raise _unnamed(manual, where, "")
+
+
+def _unnamed(manual: tuple[str, ...], where: str, weight: str) -> ValueError:
   named = manual[0] if len(manual) == 1 else manual
-  raise ValueError(
-    f"{where} runs under the manual mesh axes {manual} (pmap or "
-    "shard_map) with a `weight` that can differ per replica, and without "
-    "`axis_name`: each replica would divide by its own window weight and the "
-    "replicated params would drift apart. Pass "
+  return ValueError(
+    f"{where} runs under the manual mesh axes {manual} (pmap or shard_map) "
+    f"{weight}without `axis_name`: each replica would divide by its own window "
+    "weight and the replicated params would drift apart. Pass "
     f"axis_name={named!r} (to MultiSteps or make_train_step) and drop your own "
-    "pmean/psum of the "
-    "gradients (the accumulator sums the weighted gradients over the axis "
-    "once), or axis_name=() if the replicas are independent on purpose."
+    "pmean/psum of the gradients (the accumulator sums the weighted gradients "
+    "over the axis once), or axis_name=() if the replicas are independent on "
+    "purpose."
   )
 
 

@@ -82,8 +82,8 @@ def get_last_window(opt_state: optax.OptState) -> dict[str, jax.Array]:
     (:meth:`MultiSteps.window_loss`; 0 without ``loss=``) and total weight,
     both 0 before the first window ends. With ``MultiSteps(noise_scale=True)``
     also ``"noise_scale"``: the window's estimates as the train step's metric
-    reports them (``docs/noise_scale.md``), ``units`` 0 but on the call that
-    ended the window: fed to :func:`smooth_noise_scale` after every
+    reports them (``docs/noise_scale.md``), its ``units`` 0 but on the call
+    that ended the window: fed to :func:`smooth_noise_scale` after every
     micro-step, each window counts once.
 
   Raises:
@@ -110,9 +110,10 @@ def get_last_window(opt_state: optax.OptState) -> dict[str, jax.Array]:
     "weight": jnp.asarray(found[0].last_window_weight),
   }
   if _noise.measures(found[0].noise_scale):
-    window["noise_scale"] = _noise.metric(
-      jax.tree.map(jnp.asarray, found[0].noise_scale), jnp.asarray(found[0].updated)
-    )
+    noise = _noise.metric(jax.tree.map(jnp.asarray, found[0].noise_scale))
+    ended = jnp.asarray(found[0].updated)
+    noise["units"] = jnp.where(ended, noise["units"], jnp.zeros_like(noise["units"]))
+    window["noise_scale"] = noise
   return window
 
 

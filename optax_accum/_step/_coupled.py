@@ -86,6 +86,19 @@ def _joined(tree: Any) -> Any:
   return jax.tree.map(join, tree)
 
 
+def _check_rows(window: Any) -> None:
+  """``ValueError`` naming a batch leaf without rows: the window loss sees the
+  window's rows joined, and a per-micro-batch value has no whole-batch one."""
+  for path, x in jax.tree_util.tree_flatten_with_path(window)[0]:
+    if jnp.ndim(x) < 2:
+      raise ValueError(
+        f"batch leaf {jax.tree_util.keystr(path)} has no row axis (shape "
+        f"{jnp.shape(x)[1:]} a micro-batch): a CoupledLoss joins the window's "
+        "rows for window_loss. Give it a value per row, or compute it from "
+        "the rows in window_loss."
+      )
+
+
 def _gathered(tree: Any, axes: tuple[str, ...]) -> Any:
   """Each row leaf ``(k, rows, ...)`` with every replica's rows, in replica order."""
 
@@ -126,6 +139,7 @@ def cotangents(
     return coupled.represent(params, *args)
 
   z = jax.lax.map(represent, (window,) if keys is None else (window, keys))
+  _check_rows(window)
   batch = _joined(_gathered(window, axes))
 
   def window_loss(z_joined: Any) -> tuple[jax.Array, jax.Array]:
@@ -376,7 +390,7 @@ class CoupledStep:
     given = getattr(opt_state, "held", None) or ()
     state = opt_state._replace(held=None) if given else opt_state
     check_state(state)
-    _check_like(micro_batch, given)
+    given = _like(micro_batch, given)
     held = (*given, _device_copy(micro_batch))
     if len(held) < self._window_size(state) and not bool(end_window):
       # Nothing is computed before the window's last (its loss comes with it).
@@ -423,26 +437,35 @@ def _no_mesh(axes: tuple[str, ...]) -> ValueError:
   )
 
 
-@jax.jit
 def _device_copy(tree: Any) -> Any:
-  """The caller's micro-batch, copied: a loader may refill its buffers."""
+  """The caller's micro-batch, copied: a loader may refill its buffers. Host
+  arrays are copied on the host first (a program reads its host arguments
+  when it runs, after the call returns)."""
+  own = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else np.array(x), tree)
+  return _copied(own)
+
+
+@jax.jit
+def _copied(tree: Any) -> Any:
   return jax.tree.map(jnp.copy, tree)
 
 
-def _check_like(micro_batch: Any, held: tuple[Any, ...]) -> None:
-  """``ValueError`` naming the leaf where ``micro_batch`` is unlike the window's
+def _like(micro_batch: Any, held: tuple[Any, ...]) -> tuple[Any, ...]:
+  """``held`` in ``micro_batch``'s tree (a checkpoint restores tuples as lists);
+  ``ValueError`` naming the leaf where ``micro_batch`` is unlike the window's
   first (a window stacks its micro-batches)."""
   if not held:
-    return
+    return held
   first = jax.tree_util.tree_flatten_with_path(held[0])
   given = jax.tree_util.tree_flatten_with_path(micro_batch)
-  if first[1] != given[1]:  # type: ignore[operator]  # jaxlib stub gap
+  names = [_names(p) for p, _ in first[0]], [_names(p) for p, _ in given[0]]
+  if names[0] != names[1]:
     raise ValueError(
       f"micro-batch {len(held)} of this coupled window has the tree "
       f"{given[1]}, the window's first {first[1]}: a window stacks its "
       "micro-batches, so each must have the same leaves."
     )
-  for (path, a), (_, b) in zip(first[0], given[0], strict=True):
+  for (_, a), (path, b) in zip(first[0], given[0], strict=True):
     if (jnp.shape(a), jnp.result_type(a)) != (jnp.shape(b), jnp.result_type(b)):
       raise ValueError(
         f"micro-batch {len(held)} of this coupled window has leaf "
@@ -451,3 +474,12 @@ def _check_like(micro_batch: Any, held: tuple[Any, ...]) -> None:
         f"{jnp.result_type(a)}: a window stacks its micro-batches. Pad every "
         "micro-batch to one shape (padding rows weigh 0 in window_loss)."
       )
+  return tuple(jax.tree.unflatten(given[1], jax.tree.leaves(h)) for h in held)
+
+
+def _names(path: Any) -> tuple[Any, ...]:
+  """A leaf's path by names and positions, whatever the containers (orbax
+  restores a tuple as a list, a NamedTuple's fields as a dict's keys)."""
+  return tuple(
+    getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path
+  )

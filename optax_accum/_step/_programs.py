@@ -113,7 +113,7 @@ class Bodies:
       return self._loss_parts(self.loss_fn(p, *args))
 
     (value, (weight, aux)), grads = jax.value_and_grad(loss, has_aux=True)(params)
-    _reduction.check_replicas(self.config.axis_name, weight, "The train step")
+    _reduction.check_named_axes(self.config.axis_name, axes, "The train step")
     return grads, value, weight, aux
 
   def _term_grads(self, params: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -134,7 +134,8 @@ class Bodies:
     for i in range(len(names)):
       grad, (values, weights, aux) = jax.grad(term(i), has_aux=True)(params)
       grads.append(grad)
-    _reduction.check_replicas(self.config.axis_name, weights, "The train step")
+    axes = self.reduction.axes
+    _reduction.check_named_axes(self.config.axis_name, axes, "The train step")
     return tuple(grads), values, weights, aux
 
   def _term_parts(self, out: Any) -> tuple[dict[str, Any], Any]:
