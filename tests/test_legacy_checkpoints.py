@@ -52,8 +52,8 @@ def test_a_release_0_1_0_checkpoint_resumes_the_recorded_run(position):
 
 
 def _packed_run():
-  """``make.py`` beside the packed checkpoint: its model, stream and step."""
-  spec = importlib.util.spec_from_file_location("packed_run", PACKED / "make.py")
+  """``make_packed.py`` beside the packed checkpoint: its model, stream and step."""
+  spec = importlib.util.spec_from_file_location("packed_run", PACKED / "make_packed.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module

@@ -1,6 +1,6 @@
 """Saved these checkpoints with the train step's packed layout (``step.init``
 on one CPU device packed 20 leaves of 4x4 into one buffer), before packing was
-removed: ``cd tests && PYTHONPATH=. python data/checkpoints-packed/make.py
+removed: ``cd tests && PYTHONPATH=. python data/checkpoints-packed/make_packed.py
 data/checkpoints-packed``. ``test_legacy_checkpoints.py`` imports the model and
 the stream from here; ``uninterrupted.npz`` holds the params after both windows
 of the run from ``opt.init`` (one sum), computed with the same code."""
