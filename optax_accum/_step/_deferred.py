@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from optax_accum._core._checks import axes as _axes
 from optax_accum._core._reduction import Deferred
 from optax_accum._core._state import MultiStepsConfig
-from optax_accum._step._layout import Mapped
+from optax_accum._step._one_sum import Mapped
 from optax_accum._step._programs import Bodies
 from optax_accum._step._replicas import PerReplicaLayout, split_over
 from optax_accum._step._signature import Body, Inputs, Outputs, renamed

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from optax_accum._core._multi_steps import MultiSteps, MultiStepsState
-from optax_accum._step._layout import ONE_SUM, Layout
+from optax_accum._step._one_sum import ONE_SUM, Layout
 
 
 def _host_int(x: jax.Array) -> int:

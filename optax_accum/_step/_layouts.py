@@ -15,7 +15,7 @@ from optax_accum._core._layout import PerReplica, committed
 from optax_accum._core._multi_steps import MultiStepsState
 from optax_accum._step import _deferred
 from optax_accum._step._deferred import DeferredLayout
-from optax_accum._step._layout import ONE_SUM, Layout, programs
+from optax_accum._step._one_sum import ONE_SUM, Layout, programs
 from optax_accum._step._programs import Bodies, counters
 from optax_accum._step._replicas import (
   PerReplicaLayout,

@@ -23,7 +23,7 @@ from optax_accum._core._layout import PerReplica
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import MultiStepsState
 from optax_accum._core._terms import Names
-from optax_accum._step._layout import Layout, Mapped
+from optax_accum._step._one_sum import Layout, Mapped
 from optax_accum._step._programs import Bodies
 from optax_accum._step._signature import Body, Inputs, Outputs, renamed
 

@@ -26,8 +26,8 @@ from optax_accum._step._explained import (
   explained,
 )
 from optax_accum._step._known import UNKNOWN, Known
-from optax_accum._step._layout import ONE_SUM, Layout
 from optax_accum._step._layouts import Layouts, avals, is_traced
+from optax_accum._step._one_sum import ONE_SUM, Layout
 from optax_accum._step._programs import (
   Bodies,
   Metrics,
