@@ -19,7 +19,7 @@ import pytest
 import optax_accum
 from benchmarks import accumulation
 from optax_accum._core import _backend
-from optax_accum._step import _layout
+from optax_accum._step import _one_sum
 from optax_accum._step._programs import counters, joined
 from optax_accum._step._signature import Inputs, Split
 
@@ -27,7 +27,7 @@ K = 3
 
 
 @dataclasses.dataclass(frozen=True)
-class FlatLayout(_layout.Layout):
+class FlatLayout(_one_sum.Layout):
   """The sums stored as a flat tuple of leaves between calls."""
 
   treedef: Any
@@ -46,7 +46,7 @@ class FlatLayout(_layout.Layout):
 def _window(step, layout, state, params, batches):
   """``K`` micro-batches through ``layout``'s programs: the accumulate
   program, then the update program on the last."""
-  pair = _layout.programs(layout, step._bodies, scan=False, donate=False)
+  pair = _one_sum.programs(layout, step._bodies, scan=False, donate=False)
   for i, batch in enumerate(batches):
     inputs = Inputs(params, None, state.acc_grads, counters(state), batch, None)
     if i < len(batches) - 1:
@@ -67,7 +67,7 @@ def test_a_new_layout_runs_the_bodies_bit_for_bit_as_one_sum():
   batches = [model["batch"](model["rows"]) for _ in range(K)]
   start = opt.init(params)
   flat = FlatLayout(jax.tree.structure(start.acc_grads))
-  want, _, _ = _window(step, _layout.ONE_SUM, start, params, batches)
+  want, _, _ = _window(step, _one_sum.ONE_SUM, start, params, batches)
   got, state, pair = _window(step, flat, flat.stored(start), params, batches)
   assert isinstance(state.acc_grads, tuple)  # Stored as the layout says.
   assert not isinstance(pair.update, Split)  # The default: one program.
@@ -83,8 +83,8 @@ def test_the_builder_asks_the_layout_whether_a_window_ends_in_two_programs(two):
   opt = optax_accum.MultiSteps(optax.sgd(0.1), K)
   step = optax_accum.make_train_step(model["loss_fn"], opt)
   with _backend.overridden(jax.default_backend(), two_programs=two):
-    pair = _layout.programs(_layout.ONE_SUM, step._bodies, scan=False, donate=False)
-    scan = _layout.programs(_layout.ONE_SUM, step._bodies, scan=True, donate=False)
+    pair = _one_sum.programs(_one_sum.ONE_SUM, step._bodies, scan=False, donate=False)
+    scan = _one_sum.programs(_one_sum.ONE_SUM, step._bodies, scan=True, donate=False)
   assert isinstance(pair.update, Split) == two
   assert not isinstance(scan.update, Split)  # A scan window is one program.
 
