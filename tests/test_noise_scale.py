@@ -442,8 +442,6 @@ def _drawn_window(rng, k, units, equal):
   return {"x": x[index], "y": y[index], "mask": mask.astype(np.float32)}
 
 
-# CI time: equal weights (the special case; test_synthetic_... takes them in CI)
-# in the long run.
 @pytest.mark.parametrize(
   "equal",
   [True, False],
