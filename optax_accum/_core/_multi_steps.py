@@ -86,7 +86,39 @@ def _warn_unweighted() -> None:
   )
 
 
-class MultiSteps(optax.GradientTransformationExtraArgs):
+class _OwnTransformation(optax.GradientTransformationExtraArgs):
+  """An ``optax.GradientTransformationExtraArgs`` whose ``init`` and ``update``
+  are its own methods, so ``optax.chain`` unpacks and calls them with the
+  extra arguments; a pytree without leaves, as a transformation is."""
+
+  def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+    del args, kwargs
+    me: list[Any] = []
+    self = super().__new__(
+      cls,
+      init=lambda params: me[0].init(params),
+      update=lambda *args, **kwargs: me[0].update(*args, **kwargs),
+    )
+    me.append(self)
+    return self
+
+  def __init_subclass__(cls, **kwargs: Any) -> None:
+    super().__init_subclass__(**kwargs)
+    jax.tree_util.register_pytree_node(cls, lambda tx: ((), tx), lambda tx, _: tx)
+
+  def __repr__(self) -> str:
+    public = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if k[0] != "_")
+    return f"{type(self).__name__}({public})"
+
+  def _replace(self, **changes: Any) -> Any:
+    """Refused: the tuple optax unpacks is derived; use ``replace``."""
+    raise TypeError(
+      f"{type(self).__name__}._replace({', '.join(changes)}): use "
+      f"{type(self).__name__}.replace(...) with constructor arguments."
+    )
+
+
+class MultiSteps(_OwnTransformation):
   r"""Accumulates gradients over a window of micro-batches, weighted by items.
 
   A drop-in for :class:`optax.MultiSteps` that gives exactly the whole-batch
@@ -176,18 +208,6 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
     <https://unsloth.ai/blog/gradient>`_, 2024.
   """
 
-  def __new__(cls, *args: Any, **kwargs: Any) -> MultiSteps:
-    # The tuple optax.chain unpacks: this object's own init and update.
-    del args, kwargs
-    me: list[MultiSteps] = []
-    self = super().__new__(
-      cls,
-      init=lambda params: me[0].init(params),
-      update=lambda *args, **kwargs: me[0].update(*args, **kwargs),
-    )
-    me.append(self)
-    return self
-
   def __init__(
     self,
     opt: optax.GradientTransformation,
@@ -216,20 +236,6 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
     )
     self._given_opt, self._opt = opt, optax.with_extra_args_support(opt)
     self._warned = False
-
-  def __init_subclass__(cls, **kwargs: Any) -> None:
-    super().__init_subclass__(**kwargs)
-    _register(cls)
-
-  def __repr__(self) -> str:
-    return f"{type(self).__name__}({self._given_opt!r}, {self.config!r})"
-
-  def _replace(self, **changes: Any) -> MultiSteps:
-    """Refused: the tuple optax unpacks is derived; use :meth:`replace`."""
-    raise TypeError(
-      f"MultiSteps._replace({', '.join(changes)}): use MultiSteps.replace(...) "
-      "with constructor arguments."
-    )
 
   def _warn_unweighted(self) -> None:
     """Says once per instance, when traced, that no weight means optax's mean."""
@@ -412,11 +418,3 @@ class MultiSteps(optax.GradientTransformationExtraArgs):
   def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
     """This accumulator as an ``optax.GradientTransformationExtraArgs``."""
     return optax.GradientTransformationExtraArgs(init=self.init, update=self.update)
-
-
-def _register(cls: type) -> None:
-  """A transformation, not data: no leaves (JAX would flatten the tuple)."""
-  jax.tree_util.register_pytree_node(cls, lambda tx: ((), tx), lambda tx, _: tx)
-
-
-_register(MultiSteps)

@@ -112,16 +112,13 @@ def _own(c: Any, x: Any, axes: tuple[str, ...]) -> Any:
   """The cotangent ``c`` (gathered, joined) cut to ``x``'s micro-batches and this
   replica's rows; a window-level leaf's whole on the first micro-batch of the
   first replica (its gradient is counted once)."""
-  first = jnp.ones([], jnp.bool_)
-  if axes:
-    first = _reduction.replica_index(axes) == 0
+  replica = _reduction.replica_index(axes) if axes else jnp.zeros([], jnp.int32)
   if x.ndim == 1:
-    return jnp.zeros_like(x).at[0].set(jnp.where(first, c, 0))
+    return jnp.zeros_like(x).at[0].set(jnp.where(replica == 0, c, 0))
   rows = x.shape[1]
   c = c.reshape(x.shape[0], -1, *x.shape[2:])
   if axes:
-    start = _reduction.replica_index(axes) * rows
-    c = jax.lax.dynamic_slice_in_dim(c, start, rows, axis=1)
+    c = jax.lax.dynamic_slice_in_dim(c, replica * rows, rows, axis=1)
   return jax.sharding.reshard(c, jax.typeof(x).sharding) if _on_a_mesh(x) else c
 
 
@@ -138,8 +135,8 @@ def cotangents(
   def represent(args: Any) -> Any:
     return coupled.represent(params, *args)
 
-  z = jax.lax.map(represent, (window,) if keys is None else (window, keys))
   _check_rows(window)
+  z = jax.lax.map(represent, (window,) if keys is None else (window, keys))
   batch = _joined(_gathered(window, axes))
 
   def window_loss(z_joined: Any) -> tuple[jax.Array, jax.Array]:
