@@ -62,7 +62,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 import optax_accum
-from optax_accum._core._layout import one_sum
+from optax_accum._layouts import to_sum
 
 # The programs' calling convention is internal: the helper that builds their
 # counters argument is imported rather than copied.
@@ -613,7 +613,7 @@ def bench_model(
     lambda acc, counters, params, batch: _acc_and_counters(
       step.accumulate_program(Inputs(params, None, acc, counters, batch, None))
     ),
-    [copy(one_sum(state0.acc_grads)), _counters(state0)],  # The one-sum program.
+    [copy(to_sum(state0.acc_grads)), _counters(state0)],  # The one-sum program.
     params0,
     micro,
   )

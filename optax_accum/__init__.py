@@ -1,7 +1,6 @@
 """Gradient accumulation for JAX/Optax, exactly equivalent to the whole batch."""
 
 from optax_accum._audit import AuditReport, Verdict, audit, per_window
-from optax_accum._core._layout import Packed, PerReplica, relayout
 from optax_accum._core._multi_steps import (
   WINDOW_MICRO_STEPS,
   WINDOW_WEIGHT,
@@ -11,7 +10,7 @@ from optax_accum._core._multi_steps import (
 )
 from optax_accum._core._noise import NoiseScaleState
 from optax_accum._core._optax_microbatch import weighted_mean_accumulator
-from optax_accum._core._resume import resume_target
+from optax_accum._layouts import Packed, PerReplica, relayout, resume_target
 from optax_accum._planning import MicroBatchPlan, plan_micro_batches
 from optax_accum._progress import (
   NoiseScaleEMA,

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum._core._layout import PerReplica
+from optax_accum import PerReplica
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 

@@ -18,7 +18,7 @@ import pytest
 import optax_accum
 from benchmarks.accumulation import many_leaves, optax_in_jit
 from benchmarks.compile import accum_update_in_jit, instructions
-from optax_accum._core import _backend, _layout
+from optax_accum._core import _backend
 
 K = 4
 SMALL, LARGE = 12, 48  # Leaves: four times as many.
@@ -99,16 +99,16 @@ def _reductions(compiled) -> int:
 def test_the_norm_reduces_small_leaves_a_group_at_a_time(monkeypatch):
   """XLA:CPU compiles a kernel per reduction: the window's norm sums the
   squares of ``SMALL`` small leaves in one reduction per group
-  (``_layout.norm_groups``), against one per leaf unless the backend groups;
+  (``_backend.norm_groups``), against one per leaf unless the backend groups;
   the norm is the same but for the order of its adds."""
   params, loss_fn, batch = _model(SMALL)
-  groups = _layout.norm_groups(params)
+  groups = _backend.norm_groups(params)
   assert 1 <= len(groups) < SMALL // 4 and sum(map(len, groups)) == SMALL
   grouped = _reductions(_update_in_jit(SMALL))
   norms = [_window_norm(params, loss_fn, batch)]
   cpu = _backend.of("cpu")
   monkeypatch.setitem(_backend._BACKENDS, "cpu", cpu._replace(groups_norm=False))
-  assert _layout.norm_groups(params) == ()
+  assert _backend.norm_groups(params) == ()
   per_leaf = _reductions(_update_in_jit(SMALL))
   norms.append(_window_norm(params, loss_fn, batch))
   assert per_leaf - grouped == SMALL - len(groups), (per_leaf, grouped)

@@ -42,7 +42,7 @@ def test_window_arithmetic_imports_neither_optax_nor_collectives():
     assert "psum" not in (PACKAGE / "_core" / f"{module}.py").read_text()
 
 
-WINGS = ("_step", "_progress", "_frameworks", "_planning", "_audit")
+WINGS = ("_layouts", "_step", "_progress", "_frameworks", "_planning", "_audit")
 
 
 def _wing_imports() -> dict[str, set[str]]:
@@ -91,7 +91,7 @@ def test_each_wing_uses_only_the_core_and_the_other_wings_interfaces():
 
 def test_the_train_step_imports_no_wing_above_it():
   imports = _wing_imports()["_step"]
-  assert {n.split(".")[1] for n in imports} <= {"_core", "_step"}, imports
+  assert {n.split(".")[1] for n in imports} <= {"_core", "_layouts", "_step"}, imports
 
 
 def test_multi_steps_takes_no_train_step_only_parameters():

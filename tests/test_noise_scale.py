@@ -563,7 +563,7 @@ def test_the_measurement_costs_one_squared_norm_a_micro_step():
 
 def _many_leaves():
   """20 small leaves of one shape: on XLA:CPU the norm sums their squares
-  in groups (``_layout.norm_groups``)."""
+  in groups (``_backend.norm_groups``)."""
   rng = np.random.default_rng(9)
   return {
     f"w{i:02d}": jnp.asarray(rng.normal(size=(IN,)), jnp.float32) for i in range(20)

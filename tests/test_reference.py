@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum._core import _layout
+from optax_accum import _layouts
 
 #: Examples in CI, spread over the paths (about 1 s of CPU each); the long run
 #: takes 2,000 (``make test-long``).
@@ -573,11 +573,11 @@ def _one_sum(state):
   """``state`` with its accumulator as one sum: the replicas' partial sums
   added up (in their dtype; inf + -inf: NaN, as wanted)."""
   acc = state.acc_grads
-  if isinstance(acc, _layout.PerReplica):
+  if isinstance(acc, optax_accum.PerReplica):
     with np.errstate(invalid="ignore", over="ignore"):
       sums = jax.tree.map(lambda a: np.asarray(a).sum(0, dtype=a.dtype), acc.sums)
     return state._replace(acc_grads=sums)
-  return state._replace(acc_grads=_layout.one_sum(acc))
+  return state._replace(acc_grads=_layouts.to_sum(acc))
 
 
 def _run_jit_axis_name(config, plan, rng, key):

@@ -18,18 +18,22 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from optax_accum._core import _placement
 
 
 class Backend(NamedTuple):
   """The platform-dependent choices the host makes for a train step."""
 
   two_programs: bool = False  # A window ends in two programs: accumulate, then end.
-  # Whether the norm sums small leaves' squares a group at a time (_layout.norm_groups):
+  # Whether the norm sums small leaves' squares a group at a time (norm_groups):
   # leaves of at most max_leaf_size elements, at most max_group_size per group.
   groups_norm: bool = False
   max_leaf_size: int = 4096
@@ -93,6 +97,62 @@ def platform_of(tree: Any) -> str:
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
       return next(iter(x.devices())).platform
   return jax.default_backend()
+
+
+def consecutive(
+  indices: list[int], shapes: Any, max_size: int
+) -> list[tuple[int, ...]]:
+  """``indices`` in consecutive groups of at most ``max_size`` elements, by the
+  shapes ``shapes[i]`` (every grouping of leaves: the norm's, old packings).
+
+  Examples:
+    >>> consecutive([0, 1, 2], [(2,), (2,), (3,)], 4)
+    [(0, 1), (2,)]
+  """
+  groups: list[list[int]] = [[]]
+  size = 0
+  for i in indices:
+    n = math.prod(shapes[i])
+    if groups[-1] and size + n > max_size:
+      groups.append([])
+      size = 0
+    groups[-1].append(i)
+    size += n
+  return [tuple(g) for g in groups]
+
+
+def norm_groups(like: Any) -> tuple[tuple[int, ...], ...]:
+  """Leaves of ``like`` (the params or the updates) whose squares the window's
+  norm sums in one variadic reduction: small leaves of one shape and dtype, in
+  groups of at most the backend's ``max_group_size`` elements, where the
+  backend says so, on one device and outside a mesh context.
+
+  XLA:CPU compiles a kernel per distinct reduction. A variadic reduction's
+  sums differ from single ones in their last bits, so the groups depend on
+  ``like`` and the backend alone, not on the state's layout: ``grad_norm`` is
+  the same to the bit in every layout.
+
+  Examples:
+    On the CPU:
+
+    >>> like = {"a": jnp.ones(3), "b": jnp.ones((2, 2)), "c": jnp.ones(3)}
+    >>> norm_groups(jax.device_put(like, jax.devices("cpu")[0]))
+    ((0, 2),)
+  """
+  backend = of(platform_of(like))
+  if not backend.groups_norm or _placement.devices(like) > 1:
+    return ()
+  if not jax.sharding.get_abstract_mesh().empty:
+    return ()
+  leaves = jax.tree.leaves(like)
+  shapes = [tuple(np.shape(x)) for x in leaves]
+  alike: dict[Any, list[int]] = {}
+  for i, x in enumerate(leaves):
+    if 1 <= math.prod(shapes[i]) <= backend.max_leaf_size:
+      alike.setdefault((shapes[i], jnp.result_type(x)), []).append(i)
+  size = backend.max_group_size
+  groups = (g for same in alike.values() for g in consecutive(same, shapes, size))
+  return tuple(g for g in groups if len(g) > 1)
 
 
 def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_accum._core import _backend, _layout, _terms
+from optax_accum._core import _backend, _terms
 from optax_accum._core import _transitions as ms
 from optax_accum._core._state import MultiStepsConfig, MultiStepsState
 
@@ -91,9 +91,9 @@ def end(
   """
   divides, window = config.divides, ms.window_of(config, added)
   positive = ends & _terms.has_weight(window)
-  summed = ms.window_of(config, added._replace(acc_grads=_layout.one_sum(sums)))
+  summed = ms.window_of(config, added._replace(acc_grads=sums))
 
-  groups = _layout.norm_groups(like)
+  groups = _backend.norm_groups(like)
 
   def checked(_: Any) -> tuple[jax.Array, jax.Array]:
     squares = _terms.squares(summed, like, divides, groups)

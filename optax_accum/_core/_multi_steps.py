@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike, DTypeLike
 
-from optax_accum._core import _checks, _ending, _layout, _noise, _reduction, _terms
+from optax_accum._core import _checks, _ending, _noise, _placement, _reduction, _terms
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import (
   WINDOW_MICRO_STEPS,
@@ -60,13 +60,8 @@ def _check_optimizer(opt: Any) -> None:
 
 def _check_one_sum(state: MultiStepsState) -> None:
   """Raises ``ValueError`` unless ``state``'s sums are one sum."""
-  acc = state.acc_grads
-  if isinstance(acc, _layout.PerReplica | _layout.Packed):
-    kind = (
-      "per-replica partial sums (a train step's state on a mesh, from step.init)"
-      if isinstance(acc, _layout.PerReplica)
-      else "packed sums (restored from a checkpoint written before packing was removed)"
-    )
+  kind = getattr(state.acc_grads, "describes", None)  # A stored layout's node.
+  if kind is not None:
     raise ValueError(
       f"`state` holds {kind}: MultiSteps.update takes one sum. Convert it with "
       "optax_accum.relayout(state, opt.init(params))."
@@ -333,7 +328,7 @@ class MultiSteps(_OwnTransformation):
       last_window_loss=jnp.zeros([], weight),
       last_window_weight=jnp.zeros([], weight),
     )
-    return _layout.committed(state, params)
+    return _placement.committed(state, params)
 
   def update(
     self,

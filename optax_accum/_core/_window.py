@@ -32,7 +32,7 @@ from jax.typing import ArrayLike, DTypeLike
 
 from optax_accum._core import _backend, _checks, _noise
 
-#: Leaf indices summed as one (``_layout.norm_groups``).
+#: Leaf indices summed as one (``_backend.norm_groups``).
 Groups = tuple[tuple[int, ...], ...]
 
 
@@ -264,7 +264,7 @@ def squares(
   squares overflow; one pass serves both the finite check and the norm.
 
   ``groups``: leaves of one shape whose sums are one variadic reduction, a
-  kernel (:func:`~optax_accum._core._layout.norm_groups`); the others are a
+  kernel (:func:`~optax_accum._core._backend.norm_groups`); the others are a
   reduction each. The sums are added in leaf order."""
   dtype = window.acc_weight.dtype
 

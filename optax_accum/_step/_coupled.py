@@ -24,7 +24,7 @@ from optax_accum._step._explained import (
   check_state,
   explained,
 )
-from optax_accum._step._layouts import is_traced
+from optax_accum._step._host import is_traced
 
 
 class CoupledLoss(NamedTuple):

@@ -15,7 +15,17 @@ from optax_accum._core import _transitions as ms
 from optax_accum._core._hyperparams import get_hyperparams
 from optax_accum._core._multi_steps import MultiSteps
 from optax_accum._core._state import MultiStepsConfig, MultiStepsState
-from optax_accum._step._signature import Inputs, Outputs
+from optax_accum._layouts import Layout
+from optax_accum._step._signature import (
+  ACCUMULATE_DONATES,
+  UPDATE_DONATES,
+  Body,
+  Inputs,
+  Outputs,
+  Pair,
+  Program,
+  Split,
+)
 
 Metrics = dict[str, Any]
 
@@ -316,3 +326,36 @@ def _check_leading_axis(batch: Any, config: MultiStepsConfig) -> None:
       f"micro-batches: optax_accum.split_micro_batches(batch, {k}); for windows "
       "of any length, MultiSteps(..., every_k_schedule='end_window')."
     )
+
+
+class Bound:
+  """A program called and lowered with the accumulator as ``layout`` stores it."""
+
+  def __init__(self, layout: Layout, program: Program):
+    self.layout, self.program = layout, program
+
+  def _in(self, inputs: Inputs) -> Inputs:
+    return inputs._replace(acc=self.layout.inside(inputs.acc))
+
+  def __call__(self, inputs: Inputs) -> Outputs:
+    out = self.program(self._in(inputs))
+    return out._replace(acc=self.layout.outside(out.acc))
+
+  def lower(self, inputs: Inputs) -> jax.stages.Lowered:
+    return self.program.lower(self._in(inputs))
+
+
+def programs(layout: Layout, bodies: Bodies, *, scan: bool, donate: bool) -> Pair:
+  """``bodies``' accumulate and update programs for ``layout`` (scan: the window's)."""
+  policy = layout.policy()
+  bodies = bodies if policy is None else bodies.under(policy)
+
+  def program(body: Body, donates: tuple[str, ...], window: bool = False) -> Any:
+    built = Program(layout.body(body, window), donates, donate, layout.sharded(window))
+    return Bound(layout, built) if layout.converts else built
+
+  accumulate = program(bodies.accumulate, ACCUMULATE_DONATES)
+  update = program(bodies.scan if scan else bodies.update, UPDATE_DONATES, window=scan)
+  if not scan and layout.two_programs(bodies.config):
+    update = Split(accumulate, program(bodies.ending, UPDATE_DONATES), update)
+  return Pair(accumulate, update)

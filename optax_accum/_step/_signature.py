@@ -8,8 +8,10 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from optax_accum._core._backend import compiler_options
+from optax_accum._layouts import Sharded, renamed
 
 
 class Inputs(NamedTuple):
@@ -44,16 +46,17 @@ UPDATE_DONATES = ("params", "inner", "acc")
 
 
 class Program:
-  """``body`` jitted field by field, so ``donates`` can be donated; ``mapped``
-  wraps it first. Built in ``compiled_with``, it compiles with those XLA
-  options when called from Python (JAX honours them on a top-level jit only)."""
+  """``body`` jitted field by field, so ``donates`` can be donated, in the
+  ``shard_map`` of ``sharded`` where it has one. Built in ``compiled_with``,
+  it compiles with those XLA options when called from Python (JAX honours
+  them on a top-level jit only)."""
 
   def __init__(
     self,
     body: Body,
     donates: tuple[str, ...],
     donate: bool,
-    mapped: Callable[[Callable[..., Outputs]], Callable[..., Outputs]] | None = None,
+    sharded: Sharded | None = None,
   ):
     def flat(*fields: Any) -> Outputs:
       return body(Inputs(*fields))
@@ -61,7 +64,7 @@ class Program:
     renamed(flat, body)  # What jit logs and profiles.
 
     argnums = tuple(Inputs._fields.index(name) for name in donates) if donate else ()
-    fn = flat if mapped is None else mapped(flat)
+    fn = flat if sharded is None else _mapped(flat, sharded)
     self.nested = jax.jit(fn, donate_argnums=argnums)
     options = compiler_options()
     self.jitted = (
@@ -86,10 +89,19 @@ def _traced(inputs: Inputs) -> bool:
   return any(isinstance(x, jax.core.Tracer) for x in probe)
 
 
-def renamed(wrapper: Body, body: Body) -> Body:
-  """``wrapper`` named as ``body``, whose program it builds."""
-  wrapper.__name__ = wrapper.__qualname__ = getattr(body, "__name__", "program")
-  return wrapper
+def _mapped(flat: Callable[..., Outputs], sharded: Sharded) -> Callable[..., Outputs]:
+  """``flat`` in a ``shard_map`` splitting the accumulator, rows and ``aux`` as
+  ``sharded`` says; everything else whole."""
+  whole = P()
+  inputs = Inputs(whole, whole, sharded.acc, whole, sharded.rows, whole, whole)
+  outputs = Outputs(whole, whole, sharded.acc, whole, whole, sharded.aux)
+  return jax.shard_map(
+    flat,
+    mesh=sharded.mesh,
+    in_specs=tuple(inputs),
+    out_specs=outputs,
+    axis_names=set(sharded.axes),
+  )
 
 
 class Pair(NamedTuple):

@@ -13,11 +13,12 @@ from jax.typing import ArrayLike
 
 from optax_accum._core import _checks, _reduction, _terms
 from optax_accum._core._hyperparams import find_states
-from optax_accum._core._layout import committed
 from optax_accum._core._multi_steps import EveryKSchedule, MultiSteps, MultiStepsState
+from optax_accum._core._placement import committed
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import check_single_accumulation
 from optax_accum._core._transitions import with_window
+from optax_accum._layouts import ONE_SUM, Layout
 from optax_accum._step._coupled import CoupledLoss, CoupledStep, check_coupled
 from optax_accum._step._explained import (
   check_counts_keys,
@@ -25,9 +26,7 @@ from optax_accum._step._explained import (
   check_state,
   explained,
 )
-from optax_accum._step._known import UNKNOWN, Known
-from optax_accum._step._layouts import Layouts, avals, is_traced
-from optax_accum._step._one_sum import ONE_SUM, Layout
+from optax_accum._step._host import UNKNOWN, Host, Known, avals, is_traced
 from optax_accum._step._programs import (
   Bodies,
   Metrics,
@@ -36,7 +35,6 @@ from optax_accum._step._programs import (
   learning_rate,
   metrics,
 )
-from optax_accum._step._replicas import PerReplicaLayout, as_returned
 from optax_accum._step._signature import Inputs, Outputs, Split
 
 Mode = Literal["stream", "scan"]
@@ -74,7 +72,7 @@ class TrainStep:
   ``accumulate_program``, then the window's end alone:
   :class:`~optax_accum._step._signature.Split`). Which one runs is decided
   from the state's own counters, which the host knows for the state it
-  returned last (:class:`~optax_accum._step._known.Known`) and reads from
+  returned last (:class:`~optax_accum._step._host.Known`) and reads from
   the device otherwise, so a loop queues step after step without waiting.
   Traced in the caller's ``jit`` or ``scan`` the step runs the update
   program, correct on any micro-step.
@@ -95,8 +93,8 @@ class TrainStep:
     self.donate = donate
     policy = _reduction.policy(optimizer.config.axis_name)
     self._bodies = Bodies(loss_fn, optimizer, has_aux, policy)
-    self._layouts = Layouts(self._bodies, mode, donate)
-    self.accumulate_program, update = self._layouts.programs(ONE_SUM)
+    self._host = Host(self._bodies, mode, donate)
+    self.accumulate_program, update = self._host.programs(ONE_SUM)
     self.update_program = update.merged if isinstance(update, Split) else update
     self._known: Known | None = None
     # Scan mode with the inner optimizer's own state: per params' shapes, that
@@ -121,11 +119,11 @@ class TrainStep:
     counts = (opt_state.mini_step, opt_state.gradient_step, end_window)
     if any(isinstance(x, jax.core.Tracer) for x in counts):  # No tree walk.
       given = opt_state.acc_grads
-      params, opt_state, layout = self._layouts.arranged(params, opt_state, batch)
+      params, opt_state, layout = self._host.arranged(params, opt_state, batch)
       params, opt_state, metrics_ = self._run_update(
         params, opt_state, batch, rng, end_window, layout=layout
       )
-      return params, self._layouts.restacked(given, opt_state), metrics_
+      return params, self._host.restacked(given, opt_state), metrics_
     known, params, opt_state, hit = self._recalled(params, opt_state, batch, rng)
     value, k = known.counts(opt_state, self.optimizer)
     ends = bool(end_window) or value + 1 >= k
@@ -188,7 +186,7 @@ class TrainStep:
       params, opt_state, batch, rng, check_aliasing=not fresh, layout=known.layout
     )
     if isinstance(out[1].mini_step, jax.core.Tracer):  # The layout it was given.
-      return out[0], self._layouts.restacked(given, out[1]), out[2]
+      return out[0], self._host.restacked(given, out[1]), out[2]
     self._remember(known, out, ends=True)
     return out
 
@@ -197,13 +195,13 @@ class TrainStep:
   ) -> tuple[Any, MultiStepsState, Layout]:
     """The inner state in an empty window, arranged, and its layout; on one sum
     the state's sums are ``None`` (they live only inside ``Bodies.scan``)."""
-    if self._layouts.on_one_sum(params, inner, batch):
+    if self._host.on_one_sum(params, inner, batch):
       state = self._around(params, inner, sums=False)
       if not is_traced(params, state, batch):
         params, state = committed((params, state), (params, batch))
       return params, state, ONE_SUM
     state = self._around(params, inner, sums=True)
-    return self._layouts.arranged(params, state, batch, rng)
+    return self._host.arranged(params, state, batch, rng)
 
   def _around(self, params: Any, inner: Any, sums: bool) -> MultiStepsState:
     """The inner state (``tx.init(params)``) in an empty window, sums zeros or
@@ -233,7 +231,7 @@ class TrainStep:
     known = self._known
     hit = known is not None and known.describes(opt_state)
     if known is None or not hit:
-      params, opt_state, layout = self._layouts.arranged(params, opt_state, batch, rng)
+      params, opt_state, layout = self._host.arranged(params, opt_state, batch, rng)
       known = Known(
         opt_state.mini_step, opt_state.gradient_step, None, None, None, UNKNOWN, layout
       )
@@ -258,16 +256,14 @@ class TrainStep:
     """The optimizer state to start a run from: ``self.optimizer.init(params)``
     in the layout this step keeps. On one device, one sum (as
     ``opt.init(params)``); on a mesh under plain ``jit``, per-replica partial sums
-    (:class:`~optax_accum._core._layout.PerReplica`): over ``axis_name``'s
+    (:class:`~optax_accum.PerReplica`): over ``axis_name``'s
     axes, or on an ``Explicit`` mesh over the ``Explicit`` axes no param is
     split over. Every path keeps a state's layout (``opt.init(params)``'s
     stays one sum); a checkpoint of the step's state restores against this.
     """
     state = self.optimizer.init(params)
-    layout = self._layouts.init_layout(params)
-    if isinstance(layout, PerReplicaLayout):
-      _, state = as_returned((params, state), layout.mesh)
-    return layout.empty(state, params, self.optimizer.config.terms)
+    layout = self._host.init_layout(params)
+    return layout.lay_out(layout.placed(state), params, self.optimizer.config.terms)
 
   def lower(
     self,
@@ -291,8 +287,8 @@ class TrainStep:
     if self.mode == "scan" and not isinstance(opt_state, MultiStepsState):
       params, opt_state, layout = self._own_window(params, opt_state, batch, rng)
     else:
-      params, opt_state, layout = self._layouts.arranged(params, opt_state, batch, rng)
-    programs = self._layouts.programs(layout)
+      params, opt_state, layout = self._host.arranged(params, opt_state, batch, rng)
+    programs = self._host.programs(layout)
     inputs = self._inputs(params, opt_state, batch, rng)
     if program == "accumulate" and self.mode == "stream":
       return programs.accumulate.lower(inputs._replace(inner=None))
@@ -333,7 +329,7 @@ class TrainStep:
     if self.donate and check_aliasing and not is_traced(params, opt_state):
       params, opt_state = _unaliased((params, opt_state), (batch, rng))
     inputs = self._inputs(params, opt_state, batch, rng)._replace(end_window=end_window)
-    out = self._layouts.programs(layout).update(inputs)
+    out = self._host.programs(layout).update(inputs)
     return out.params, joined(out.counters, out.inner, out.acc), self._metrics(out)
 
   def _run_accumulate(
@@ -350,7 +346,7 @@ class TrainStep:
     if self.donate and check_aliasing and not is_traced(params, acc):
       acc = _unaliased(acc, (params, opt_state.inner_opt_state, batch, rng))
     inputs = Inputs(params, None, acc, counters(opt_state), batch, rng)
-    out = self._layouts.programs(layout).accumulate(inputs)
+    out = self._host.programs(layout).accumulate(inputs)
     state = joined(out.counters, opt_state.inner_opt_state, out.acc)
     # The counters are never donated: the metrics can share them.
     loss, grad_norm = out.metrics["loss"], out.metrics["grad_norm"]

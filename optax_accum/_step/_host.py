@@ -1,29 +1,34 @@
-"""Which accumulator layout a train step's call runs in (the init chooses it,
-the step keeps it), and each layout's programs, built once."""
+"""A train step's host side: which accumulator layout a call runs in (the init
+chooses it, the step keeps it), each layout's programs, built once, and what
+the host knows of the state a step returned last, so a streaming call picks
+its program without waiting for the device; any other state (the first, a
+restored one, one from ``relayout`` or ``_replace``) is read and laid out
+again."""
 
 from __future__ import annotations
 
-import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding
+import numpy as np
 
-from optax_accum._core import _checks, _layout
-from optax_accum._core._layout import PerReplica, committed
-from optax_accum._core._multi_steps import MultiStepsState
-from optax_accum._step import _deferred
-from optax_accum._step._deferred import DeferredLayout
-from optax_accum._step._one_sum import ONE_SUM, Layout, programs
-from optax_accum._step._programs import Bodies, counters
-from optax_accum._step._replicas import (
-  PerReplicaLayout,
-  as_returned,
-  data_layout,
-  mesh_of,
-  split_over,
+from optax_accum._core import _checks
+from optax_accum._core._multi_steps import MultiSteps, MultiStepsState
+from optax_accum._core._placement import as_returned, committed, mesh_of
+from optax_accum._layouts import (
+  ONE_SUM,
+  Layout,
+  carried,
+  choose_leaves,
+  deferred_for_call,
+  deferred_for_init,
+  micro_batch_like,
+  of,
+  replicas_for_call,
+  replicas_for_init,
 )
+from optax_accum._step._programs import Bodies, counters, programs
 from optax_accum._step._signature import Inputs, Pair
 
 
@@ -31,7 +36,7 @@ def is_traced(*trees: Any) -> bool:
   return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
 
 
-class Layouts:
+class Host:
   """A train step's choice of layout for each call, and the programs of each."""
 
   def __init__(self, bodies: Bodies, mode: str, donate: bool):
@@ -39,7 +44,7 @@ class Layouts:
     self.scan = mode == "scan"
     self.donate = donate
     self._built: dict[Layout, Pair] = {}
-    self._chosen: dict[Any, DeferredLayout] = {}
+    self._chosen: dict[Any, Layout] = {}
 
   def arranged(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any = None
@@ -47,6 +52,12 @@ class Layouts:
     """Params, ``opt_state`` in the call's layout, and that layout: if traced or on
     no mesh one sum (see :meth:`restacked`), else per-replica where it can."""
     traced = is_traced(params, opt_state, batch)
+    kept = of(opt_state.acc_grads).kept(opt_state.acc_grads)
+    if kept is not None:  # A layout the state keeps on any devices.
+      opt_state = self.stored(opt_state, kept, params)
+      if traced:
+        return params, opt_state, kept
+      return (*committed((params, opt_state), (params, batch)), kept)
     mesh = None if traced else mesh_of(params, batch)
     if traced or (mesh is None and not self._replica_axes):
       opt_state = self.stored(opt_state, ONE_SUM)
@@ -62,15 +73,15 @@ class Layouts:
     self, opt_state: MultiStepsState, layout: Layout, params: Any = None
   ) -> MultiStepsState:
     """``opt_state`` with its accumulator in ``layout`` (kept if it is)."""
-    return layout.stored(opt_state, params, self.bodies.config.terms)
+    return layout.lay_out(opt_state, params, self.bodies.config.terms)
 
   def _data_layout(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
-  ) -> PerReplicaLayout | None:
+  ) -> Layout | None:
     """The per-replica layout of a call on a mesh, if it has one."""
     if self._replica_axes:
       named = self.bodies.config.axis_name or ()  # As the user wrote it.
-      return data_layout(named, params, batch, scan=self.scan)
+      return replicas_for_call(named, params, batch, scan=self.scan)
     return self._deferred_layout(params, opt_state, batch, rng)
 
   def init_layout(self, params: Any) -> Layout:
@@ -80,21 +91,10 @@ class Layouts:
     layout = None if mesh is None else self._init_per_replica(params, mesh)
     return layout or ONE_SUM
 
-  def _init_per_replica(self, params: Any, mesh: Any) -> PerReplicaLayout | None:
-    config = self.bodies.config
-    split = {a for p in jax.tree.leaves(params) for a in split_over(p)}
+  def _init_per_replica(self, params: Any, mesh: Any) -> Layout | None:
     if self._replica_axes:
-      axes = self._replica_axes
-      return None if split & set(axes) else PerReplicaLayout(mesh, axes)
-    if not _deferred.defers(config):
-      return None
-    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    axes = tuple(
-      a for a in mesh.axis_names if types[a] == AxisType.Explicit and a not in split
-    )
-    if math.prod(mesh.shape[a] for a in axes) <= 1:
-      return None
-    return DeferredLayout(mesh, axes, (False,) * len(jax.tree.leaves(params)))
+      return replicas_for_init(params, mesh, self._replica_axes)
+    return deferred_for_init(params, mesh, self.bodies.config)
 
   def on_one_sum(self, params: Any, inner: Any, batch: Any) -> bool:
     """Whether an empty-window call runs on one sum: traced or no mesh."""
@@ -103,21 +103,9 @@ class Layouts:
     return mesh_of(params, batch) is None and not self._replica_axes
 
   def restacked(self, given: Any, opt_state: MultiStepsState) -> MultiStepsState:
-    """Traced: ``opt_state``'s one sum as replica 0's partial sum, stacked as
-    ``given``, so a ``scan`` carry keeps its type; else ``opt_state``."""
-    if not isinstance(given, PerReplica) or isinstance(opt_state.acc_grads, PerReplica):
-      return opt_state
-    n = _layout.replicas(given)
-
-    def stack(total: Any, like: Any) -> Any:
-      out = _layout.first_replica(total, n)
-      sharding = getattr(jax.typeof(like), "sharding", None)
-      if isinstance(sharding, NamedSharding) and not sharding.mesh.empty:
-        out = jax.sharding.reshard(out, sharding)
-      return out
-
-    sums = jax.tree.map(stack, opt_state.acc_grads, given.sums)
-    return opt_state._replace(acc_grads=PerReplica(sums, given.axes))
+    """Traced: ``opt_state``'s one sum in ``given``'s layout, so a ``scan``
+    carry keeps its type; else ``opt_state``."""
+    return carried(opt_state, given)
 
   @property
   def _replica_axes(self) -> tuple[str, ...]:
@@ -126,28 +114,28 @@ class Layouts:
 
   def _deferred_layout(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
-  ) -> DeferredLayout | None:
+  ) -> Layout | None:
     """The deferred layout this call allows, or ``None``; chosen once per avals."""
     config = self.bodies.config
-    layout = _deferred.candidate(params, batch, config, scan=self.scan)
+    layout = deferred_for_call(params, batch, config, scan=self.scan)
     if layout is None:
       return None
     key = (layout, *map(avals, (params, batch)), rng is None)
     if key not in self._chosen:
       sums = jax.eval_shape(self.bodies.optimizer.init, params).acc_grads
       acc = layout.like(sums, params, config.terms).sums
-      micro_batch = _deferred.micro_batch_like(batch) if self.scan else batch
+      micro_batch = micro_batch_like(batch) if self.scan else batch
       inputs = Inputs(params, None, acc, counters(opt_state), micro_batch, rng)
 
-      def fits(chosen: DeferredLayout) -> bool:
-        body = chosen.body(chosen.bodies(self.bodies).accumulate, window=False)
+      def fits(chosen: Any) -> bool:
+        body = chosen.body(self.bodies.under(chosen.policy()).accumulate, False)
         try:
           jax.eval_shape(body, inputs)
         except Exception:  # A cast JAX has no rule for (or a loss that fails
           return False  # anyway: with nothing cast, the call raises it).
         return True
 
-      self._chosen[key] = _deferred.choose_leaves(layout, fits, params)
+      self._chosen[key] = choose_leaves(layout, fits, params)
     return self._chosen[key]
 
   def programs(self, layout: Layout) -> Pair:
@@ -164,3 +152,42 @@ def avals(tree: Any) -> tuple[Any, ...]:
   return treedef, tuple(
     (jnp.shape(x), jnp.result_type(x), getattr(x, "sharding", None)) for x in leaves
   )
+
+
+def _host_int(x: jax.Array) -> int:
+  """A replicated scalar's value, read from this process's own copy."""
+  if getattr(x, "is_fully_addressable", True):
+    return int(jax.device_get(x))
+  return int(np.asarray(x.addressable_shards[0].data))
+
+
+UNKNOWN: Any = object()  # A learning rate not looked up yet.
+
+
+class Known(NamedTuple):
+  """What the host knows about the optimizer state a step returned last."""
+
+  mini_step: jax.Array  # The returned state's counters, compared by identity.
+  gradient_step: jax.Array
+  value: int | None  # Its value; None where counting depends on the data.
+  k: int | None  # The window's length; None where it must be read.
+  params: Any  # Params the update program returned: fresh, unaliased buffers.
+  learning_rate: Any  # The metric (unchanged until the next update), or UNKNOWN.
+  layout: Layout = ONE_SUM  # The layout of the state returned.
+  acc: Any = None  # The returned state's accumulator node, compared by identity.
+
+  def describes(self, state: MultiStepsState) -> bool:
+    """Whether ``state`` is the one returned last: its very counter and acc objects."""
+    return (
+      state.mini_step is self.mini_step
+      and state.gradient_step is self.gradient_step
+      and state.acc_grads is self.acc
+    )
+
+  def counts(self, state: MultiStepsState, optimizer: MultiSteps) -> tuple[int, int]:
+    """The window's micro-batches so far and length, read from ``state`` if unknown."""
+    value = _host_int(state.mini_step) if self.value is None else self.value
+    k = self.k if self.k is not None else optimizer.config.constant_k
+    if k is None:
+      k = int(optimizer.k_at(_host_int(state.gradient_step)))
+    return value, max(k, 1)

@@ -1,11 +1,13 @@
-"""One gradient reduction per window under plain ``jit``, no ``axis_name``.
+"""Deferred partial sums: one gradient reduction per window under plain ``jit``,
+no ``axis_name``.
 
 On an ``Explicit`` mesh whose data axes split the batch's rows but no param, the
 programs cast params to ``reduced``, so gradients stay ``unreduced`` per-device
-partial sums, reduced once a window (``_reduction.Deferred``) and stored as in
-``_replicas`` (same checkpoints); the loss sees the global batch. JAX 0.10 refuses
-some ops on a ``reduced`` operand (a bias or norm scale added to data-split
-activations): such small leaves, found by tracing, keep per-micro-batch reduction.
+partial sums, reduced once a window (``_reduction.Deferred``) and stored as
+:class:`~optax_accum.PerReplica` (same checkpoints); the loss sees the global
+batch. JAX 0.10 refuses some ops on a ``reduced`` operand (a bias or norm scale
+added to data-split activations): such small leaves, found by tracing, keep
+per-micro-batch reduction.
 """
 
 from __future__ import annotations
@@ -20,13 +22,12 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from optax_accum._core import _placement
 from optax_accum._core._checks import axes as _axes
 from optax_accum._core._reduction import Deferred
 from optax_accum._core._state import MultiStepsConfig
-from optax_accum._step._one_sum import Mapped
-from optax_accum._step._programs import Bodies
-from optax_accum._step._replicas import PerReplicaLayout, split_over
-from optax_accum._step._signature import Body, Inputs, Outputs, renamed
+from optax_accum._layouts._per_replica import PerReplicaLayout
+from optax_accum._layouts._protocol import Body, Sharded, renamed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,19 +37,19 @@ class DeferredLayout(PerReplicaLayout):
 
   leaves: tuple[bool, ...] = ()
 
-  def bodies(self, bodies: Bodies) -> Bodies:
-    return bodies.under(Deferred(mesh=self.mesh, over=self.axes, leaves=self.leaves))
+  def policy(self) -> Any:
+    return Deferred(mesh=self.mesh, over=self.axes, leaves=self.leaves)
 
   def body(self, body: Body, window: bool) -> Body:
     """``body`` adding to each device's partial sum of the stacked accumulator."""
 
-    def run(inputs: Inputs) -> Outputs:
+    def run(inputs: Any) -> Any:
       out = body(inputs._replace(acc=_relaid(self, inputs.acc, inside=True)))
       return out._replace(acc=_relaid(self, out.acc, inside=False))
 
     return renamed(run, body)
 
-  def mapped(self, window: bool) -> Mapped | None:
+  def sharded(self, window: bool) -> Sharded | None:
     return None
 
 
@@ -58,11 +59,29 @@ def defers(config: MultiStepsConfig) -> bool:
   return config.on_nonfinite != "skip_micro_batch" and not config.noise_scale
 
 
-def candidate(
+def for_init(
+  params: Any, mesh: jax.sharding.Mesh, config: MultiStepsConfig
+) -> DeferredLayout | None:
+  """``step.init``'s layout on an ``Explicit`` mesh without ``axis_name``: over
+  the ``Explicit`` axes no param is split over, if any has more than one device."""
+  if not defers(config):
+    return None
+  split = {a for p in jax.tree.leaves(params) for a in _placement.split_over(p)}
+  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+  axes = tuple(
+    a for a in mesh.axis_names if types[a] == AxisType.Explicit and a not in split
+  )
+  if math.prod(mesh.shape[a] for a in axes) <= 1:
+    return None
+  return DeferredLayout(mesh, axes, (False,) * len(jax.tree.leaves(params)))
+
+
+def for_call(
   params: Any, batch: Any, config: MultiStepsConfig, *, scan: bool
 ) -> DeferredLayout | None:
-  """The call's deferred layout, leaves not chosen yet, or ``None``: rows split
-  over ``Explicit`` axes that split no param (FSDP's are reduce-scattered)."""
+  """The call's deferred layout, leaves not chosen yet (:func:`choose_leaves`),
+  or ``None``: rows split over ``Explicit`` axes that split no param (FSDP's are
+  reduce-scattered)."""
   if not defers(config):
     return None
   dim = 1 if scan else 0
@@ -86,7 +105,7 @@ def candidate(
     sharding = getattr(leaf, "sharding", None)
     if not isinstance(sharding, NamedSharding) or sharding.mesh != mesh:
       return None
-    if set(split_over(leaf)) & set(axes):
+    if set(_placement.split_over(leaf)) & set(axes):
       return None
   return DeferredLayout(mesh, axes)
 

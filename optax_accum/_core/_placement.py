@@ -1,0 +1,123 @@
+"""Where arrays live: the devices and meshes a tree spans, and placing a tree
+as another is placed (every layout and the step's host side ask here).
+
+Examples:
+  >>> import jax, jax.numpy as jnp
+  >>> devices({"w": jnp.ones(3)})
+  1
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from optax_accum._core._checks import axes as _axes
+
+
+def traced(*trees: Any) -> bool:
+  """Whether any leaf of ``trees`` is a tracer."""
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
+
+
+def devices(tree: Any) -> int:
+  """How many devices ``tree`` spans, by its arrays, its shapes' shardings and
+  its tracers' ``Explicit`` meshes."""
+  found: set[Any] = set()
+  most = 1
+  for x in jax.tree.leaves(tree):
+    if isinstance(x, jax.core.Tracer):
+      mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+      most = max(most, getattr(mesh, "size", 1) or 1)
+    elif isinstance(x, jax.Array):
+      found.update(x.devices())
+    elif isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None:
+      most = max(most, len(x.sharding.device_set))
+  return max(most, len(found))
+
+
+def committed(tree: Any, inputs: Any) -> Any:
+  """``tree``'s arrays committed to the one device of ``inputs``' first committed
+  array (``jax.device_put(params, device)``), as a jitted step returns them:
+  else the step compiles again for what its first call returns. No copies."""
+  arrays = (x for x in jax.tree.leaves(inputs) if _concrete(x))
+  first = next((x for x in arrays if x.committed), None)
+  if first is None or len(first.devices()) != 1:
+    return tree
+
+  def commit(x: Any) -> Any:
+    return jax.device_put(x, first.sharding) if _concrete(x) and not x.committed else x
+
+  return jax.tree.map(commit, tree)
+
+
+def _concrete(x: Any) -> bool:
+  return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+
+
+def placed_like(x: Any, like: Any) -> Any:
+  """``x`` in ``like``'s dtype and, where it has one, sharding."""
+  placed = isinstance(like, jax.Array | jax.ShapeDtypeStruct)
+  sharding = like.sharding if placed and not traced(like) else None
+  if not isinstance(x, jax.Array) or x.dtype != like.dtype:
+    x = jnp.asarray(x, like.dtype)
+  return x if sharding is None or traced(x) else put(x, sharding)
+
+
+def put(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+  """``x`` with ``sharding``: itself where it has it already."""
+  if x.sharding.is_equivalent_to(sharding, x.ndim):
+    return x
+  return jax.device_put(x, sharding)
+
+
+def split_over(param: Any) -> tuple[str, ...]:
+  """The mesh axes ``param`` is split over."""
+  sharding = getattr(param, "sharding", None)
+  if not isinstance(sharding, NamedSharding):
+    return ()
+  return tuple(a for entry in sharding.spec for a in _axes(entry))
+
+
+def spec_on(mesh: jax.sharding.Mesh, x: Any) -> tuple[Any, ...]:
+  """``x``'s spec, an entry per dim, if it has a ``NamedSharding`` on ``mesh``."""
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+    return tuple(sharding.spec) + (None,) * (jnp.ndim(x) - len(sharding.spec))
+  return ()
+
+
+def mesh_of(*trees: Any) -> jax.sharding.Mesh | None:
+  """The mesh of the first leaf placed with a ``NamedSharding``, if any."""
+  for leaf in jax.tree.leaves(trees):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding) and isinstance(
+      sharding.mesh, jax.sharding.Mesh
+    ):
+      return sharding.mesh
+  return None
+
+
+def as_returned(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+  """``tree`` placed as the programs return it, so the next call hits ``jit``'s
+  cache: specs spelled out to full rank without copying (``P()`` returns as
+  ``P(None, None)``, another cache key); arrays on no mesh replicated."""
+
+  def place(x: Any) -> Any:
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+      return x
+    sharding = x.sharding
+    if not isinstance(sharding, NamedSharding):
+      return jax.device_put(x, NamedSharding(mesh, P()))
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    if tuple(sharding.spec) == spec:
+      return x
+    full = NamedSharding(sharding.mesh, P(*spec, unreduced=sharding.spec.unreduced))
+    shards = [shard.data for shard in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, full, shards)
+
+  return jax.tree.map(place, tree)

@@ -1,0 +1,129 @@
+"""Packed sums, only restored: checkpoints written before packing was removed.
+
+Such a checkpoint holds ``groups`` (one flat buffer per group of small leaves,
+concatenated in tree order) and ``rest`` (the other leaves). It restores
+against :func:`~optax_accum.resume_target`'s target and becomes one sum on
+the step's first call or through :func:`~optax_accum.relayout`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_accum._core import _backend
+from optax_accum._layouts._protocol import Layout, field, leaves, register, zeros
+
+
+class Packing(NamedTuple):
+  """Which accumulator leaves shared a buffer, and their shapes."""
+
+  treedef: Any
+  shapes: tuple[tuple[int, ...], ...]  # Each leaf's own shape, in tree order.
+  groups: tuple[tuple[int, ...], ...]  # Leaf indices, one buffer each.
+  rest: tuple[int, ...]  # The leaves kept as they were.
+
+  def size(self, group: tuple[int, ...]) -> int:
+    return sum(math.prod(self.shapes[i]) for i in group)
+
+
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=["groups", "rest"],
+  meta_fields=["packing"],
+)
+@dataclasses.dataclass(frozen=True)
+class Packed:
+  """Packed sums, as checkpoints written before packing was removed hold them:
+  ``groups`` (one flat buffer per group, its leaves concatenated in tree order)
+  and ``rest`` (the other leaves, in tree order). Only restored
+  (:func:`~optax_accum.resume_target`), then made one sum."""
+
+  groups: tuple[Any, ...]
+  rest: tuple[Any, ...]
+  packing: Packing
+  describes: ClassVar[str] = (
+    "packed sums (restored from a checkpoint written before packing was removed)"
+  )
+
+
+def packing_of(shapes: Any) -> Packing | None:
+  """How ``step.init`` packed the sums ``shapes`` (one sum) on one CPU device
+  before packing was removed, or ``None`` if it did not: leaves of 1 to 4096
+  elements, by dtype where a dtype had at least 16, in consecutive groups of
+  at most 8192 elements."""
+  flat, treedef = jax.tree.flatten(shapes)
+  sizes = [tuple(np.shape(x)) for x in flat]
+  by_dtype: dict[Any, list[int]] = {}
+  for i, leaf in enumerate(flat):
+    if 1 <= math.prod(sizes[i]) <= 4096:
+      by_dtype.setdefault(jnp.dtype(leaf.dtype), []).append(i)
+  chosen = (g for g in by_dtype.values() if len(g) >= 16)
+  groups = tuple(
+    g for c in chosen for g in _backend.consecutive(c, sizes, 8192) if len(g) > 1
+  )
+  if not groups:
+    return None
+  packed = {i for group in groups for i in group}
+  rest = tuple(i for i in range(len(flat)) if i not in packed)
+  return Packing(treedef, tuple(sizes), groups, rest)
+
+
+@register
+class PackedLayout(Layout):
+  """Restored only: its sums become one sum before any program sees them."""
+
+  @classmethod
+  def holds(cls, acc: Any) -> bool:
+    return isinstance(acc, Packed)
+
+  @classmethod
+  def to_sum(cls, acc: Packed) -> Any:
+    """Every leaf in its own shape (on the host if it is there)."""
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(acc)):
+      return jax.eval_shape(cls.to_sum, acc)
+    on_host = all(isinstance(x, np.ndarray | np.generic) for x in jax.tree.leaves(acc))
+    xp = np if on_host else jnp
+    packing = acc.packing
+    out: list[Any] = [None] * len(packing.shapes)
+    for i, leaf in zip(packing.rest, acc.rest, strict=True):
+      out[i] = leaf
+    for group, buffer in zip(packing.groups, acc.groups, strict=True):
+      start = 0
+      for i in group:
+        stop = start + math.prod(packing.shapes[i])
+        out[i] = xp.reshape(buffer[start:stop], packing.shapes[i])
+        start = stop
+    return jax.tree.unflatten(packing.treedef, out)
+
+  @classmethod
+  def sum_shapes(cls, acc: Packed) -> Any:
+    return jax.eval_shape(cls.to_sum, acc)
+
+  @classmethod
+  def saved_in(cls, saved: Any) -> bool:
+    return field(saved, "groups", None) is not None
+
+  @classmethod
+  def restore_target(cls, shapes: Any, saved: Any, given: Any) -> Packed:
+    """The packing ``step.init`` gave these params, its group sizes the saved ones."""
+    packing = packing_of(shapes)
+    sizes = [int(np.prod(np.shape(g))) for g in leaves(field(saved, "groups"))]
+    if packing is None or [packing.size(g) for g in packing.groups] != sizes:
+      raise ValueError(
+        f"`saved` is packed in groups of {sizes} elements, which step.init did "
+        "not give these params: it holds the sums of other params. Restore it "
+        "against a state of the params it was saved with."
+      )
+    flat = [zeros(s) for s in jax.tree.leaves(shapes)]
+    return Packed(
+      tuple(np.zeros(packing.size(g), flat[g[0]].dtype) for g in packing.groups),
+      tuple(flat[i] for i in packing.rest),
+      packing,
+    )
