@@ -63,11 +63,11 @@ from jax.flatten_util import ravel_pytree
 
 import optax_accum
 from optax_accum._layouts import to_sum
+from optax_accum._step._programs import Inputs, Outputs
 
 # The programs' calling convention is internal: the helper that builds their
 # counters argument is imported rather than copied.
 from optax_accum._step._programs import counters as _counters
-from optax_accum._step._signature import Inputs, Outputs
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 #: A variant may beat its lower bound by this much (timer noise), not more.

@@ -230,8 +230,7 @@ def test_a_window_ends_in_two_programs_within_the_merged_ones_memory():
   ``lower`` gives the two as one program, whose peak bounds each's (the
   inner state resident while the accumulate program runs)."""
   from benchmarks import accumulation
-  from optax_accum._step._programs import counters
-  from optax_accum._step._signature import Inputs, Split
+  from optax_accum._step._programs import Inputs, Split, counters
 
   model = accumulation.many_leaves(64, 32, 4)
   opt = optax_accum.MultiSteps(optax.adamw(1e-3), 4)

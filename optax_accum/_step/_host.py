@@ -28,8 +28,7 @@ from optax_accum._layouts import (
   replicas_for_call,
   replicas_for_init,
 )
-from optax_accum._step._programs import Bodies, counters, programs
-from optax_accum._step._signature import Inputs, Pair
+from optax_accum._step._programs import Bodies, Inputs, Pair, counters, programs
 
 
 def is_traced(*trees: Any) -> bool:

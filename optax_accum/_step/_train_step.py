@@ -29,13 +29,15 @@ from optax_accum._step._explained import (
 from optax_accum._step._host import UNKNOWN, Host, Known, avals, is_traced
 from optax_accum._step._programs import (
   Bodies,
+  Inputs,
   Metrics,
+  Outputs,
+  Split,
   counters,
   joined,
   learning_rate,
   metrics,
 )
-from optax_accum._step._signature import Inputs, Outputs, Split
 
 Mode = Literal["stream", "scan"]
 StepOutput = tuple[optax.Params, MultiStepsState, Metrics]
@@ -70,7 +72,7 @@ class TrainStep:
   one and ends the window if it is full, running the inner optimizer in a
   loop that runs at most once, in place (on XLA:CPU the call runs
   ``accumulate_program``, then the window's end alone:
-  :class:`~optax_accum._step._signature.Split`). Which one runs is decided
+  :class:`~optax_accum._step._programs.Split`). Which one runs is decided
   from the state's own counters, which the host knows for the state it
   returned last (:class:`~optax_accum._step._host.Known`) and reads from
   the device otherwise, so a loop queues step after step without waiting.
