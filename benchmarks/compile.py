@@ -21,7 +21,8 @@ of:
 
 The in-``jit`` rows also give the compiled module's instruction count (what
 ``tests/test_compile_cost.py`` pins: it is deterministic). Models: residual
-stacks of 44, 176 and 400 leaves (``many_leaves``), the NNX 4-block
+stacks of 44, 176 and 400 leaves of 32 x 32 and of 176 and 400 of 8 x 8
+(``many_leaves``), the NNX 4-block
 transformer and the benchmark LM (``lm-12x64-b8``). AdamW, ``k = 4``.
 Results go to ``benchmarks/results/<machine>-compile.{json,md}``.
 """
@@ -52,11 +53,13 @@ from benchmarks.accumulation import (
 )
 
 K = 4
-#: Model name -> builder (``many_leaves`` rows: leaves of 32 x 32).
+#: Model name -> builder (``many_leaves`` rows: leaves of 32 x 32, or 8 x 8).
 MODELS: dict[str, Callable[[], dict[str, Any]]] = {
   "leaves-44": lambda: many_leaves(44, 32, 4),
   "leaves-176": lambda: many_leaves(176, 32, 4),
   "leaves-400": lambda: many_leaves(400, 32, 4),
+  "leaves-176x8": lambda: many_leaves(176, 8, 4),
+  "leaves-400x8": lambda: many_leaves(400, 8, 4),
   "nnx-transformer-4": lambda: nnx_transformer(4, 64, 4, 16, 4),
   "lm-12x64-b8": lambda: causal_lm(12, 64, 4, 32, 8),
 }

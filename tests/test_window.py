@@ -1,10 +1,11 @@
-"""The window arithmetic on its own, with and without jit, against NumPy."""
+"""The window arithmetic on its own (a window of one term), with and without
+jit, against NumPy."""
 
 import chex
 import jax.numpy as jnp
 import numpy as np
 
-from optax_accum._core import _reduction, _terms, _window
+from optax_accum._core import _reduction, _window
 
 LOCAL = _reduction.Local()
 
@@ -19,9 +20,15 @@ def _run(fn, micro_batches):
 def _add(weigh, drop_nonfinite):
   def add(window, grads, loss, weight):
     kept = _window.admit(
-      window, grads, loss, weight, reduction=LOCAL, drop_nonfinite=drop_nonfinite
+      window,
+      (grads,),
+      (loss,),
+      (weight,),
+      reduction=LOCAL,
+      drop_nonfinite=drop_nonfinite,
     )
-    return _window.add(window, grads, loss, kept, reduction=LOCAL, weigh=weigh), kept
+    added = _window.add(window, (grads,), (loss,), kept, reduction=LOCAL, weigh=weigh)
+    return added, kept[0]
 
   return add
 
@@ -43,8 +50,8 @@ class WindowTest(chex.TestCase):
     np.testing.assert_allclose(
       _window.mean_loss(window), (weights * losses).sum() / weights.sum(), rtol=1e-6
     )
-    assert int(window.mini_step) == 5
-    assert not bool(_terms.nonfinite((window,), squares))
+    assert int(window[0].mini_step) == 5
+    assert not bool(_window.nonfinite(window, squares))
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_bad_weights_and_nonfinite_gradients_add_nothing(self):
@@ -62,19 +69,19 @@ class WindowTest(chex.TestCase):
       assert bool(kept.dropped) == dropped, (grad, weight)
     grad = _window.gradient(window, {"w": jnp.zeros(3)})
     np.testing.assert_array_equal(grad["w"], [1.0, 2.0, 3.0])
-    assert float(window.acc_weight) == 2.0 and int(window.mini_step) == 5
+    assert float(window[0].acc_weight) == 2.0 and int(window[0].mini_step) == 5
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_reset_selects_and_a_nan_window_does_not_leak(self):
-    window = _window.empty({"w": jnp.zeros(2)})
+    (window,) = _window.empty({"w": jnp.zeros(2)})
     window = window._replace(
       mini_step=jnp.int32(2),
       acc_grads={"w": jnp.array([np.nan, 1.0])},
       acc_weight=jnp.float32(3.0),
     )
-    squares = _window.squares(window, {"w": jnp.zeros(2)})
-    assert bool(_terms.nonfinite((window,), squares))
-    reset = self.variant(lambda w, ends: _window.reset(w, ends))
+    squares = _window.squares((window,), {"w": jnp.zeros(2)})
+    assert bool(_window.nonfinite((window,), squares))
+    reset = self.variant(lambda w, ends: _window.reset((w,), ends)[0])
     kept = reset(window, jnp.array(False))
     np.testing.assert_array_equal(kept.acc_grads["w"], [np.nan, 1.0])
     emptied = reset(window, jnp.array(True))
@@ -82,16 +89,17 @@ class WindowTest(chex.TestCase):
     assert int(emptied.mini_step) == 0 and float(emptied.acc_weight) == 0.0
     # A window's first micro-batch overwrites whatever the sum holds (the
     # train step leaves the last window's sum there).
-    fresh = window._replace(mini_step=jnp.int32(0))
-    kept_in = _window.admit(fresh, {"w": jnp.ones(2)}, None, 2.0, reduction=LOCAL)
-    added = _window.add(fresh, {"w": jnp.ones(2)}, None, kept_in, reduction=LOCAL)
+    fresh = (window._replace(mini_step=jnp.int32(0)),)
+    ones = ({"w": jnp.ones(2)},)
+    kept_in = _window.admit(fresh, ones, (None,), (2.0,), reduction=LOCAL)
+    (added,) = _window.add(fresh, ones, (None,), kept_in, reduction=LOCAL)
     np.testing.assert_array_equal(added.acc_grads["w"], [2.0, 2.0])
 
   def test_summed_losses_are_not_weighted(self):
     window = _window.empty(jnp.zeros(()))
     for grad, weight in [(4.0, 2.0), (6.0, 3.0)]:
-      kept = _window.admit(window, grad, grad, weight, reduction=LOCAL)
-      window = _window.add(window, grad, grad, kept, reduction=LOCAL, weigh=False)
+      kept = _window.admit(window, (grad,), (grad,), (weight,), reduction=LOCAL)
+      window = _window.add(window, (grad,), (grad,), kept, reduction=LOCAL, weigh=False)
     grad = _window.gradient(window, jnp.zeros(()))
     assert float(grad) == 2.0  # (4 + 6) / (2 + 3)
     assert float(_window.mean_loss(window)) == 2.0

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_accum._core import _backend, _terms
+from optax_accum._core import _backend, _window
 from optax_accum._core import _transitions as ms
 from optax_accum._core._state import MultiStepsConfig, MultiStepsState
 
@@ -90,23 +90,23 @@ def end(
       where the backend allows) rather than the updates.
   """
   divides, window = config.divides, ms.window_of(config, added)
-  positive = ends & _terms.has_weight(window)
+  positive = ends & _window.has_weight(window)
   summed = ms.window_of(config, added._replace(acc_grads=sums))
 
   groups = _backend.norm_groups(like)
 
   def checked(_: Any) -> tuple[jax.Array, jax.Array]:
-    squares = _terms.squares(summed, like, divides, groups)
-    return squares, _terms.nonfinite(summed, squares)
+    squares = _window.squares(summed, like, divides, groups)
+    return squares, _window.nonfinite(summed, squares)
 
-  dtype = _terms.weight(window).dtype
+  dtype = _window.weight(window).dtype
   squares, flag = once_if(positive, checked, (jnp.zeros([], dtype), jnp.array(False)))
   nonfinite = positive & reduction.any(flag, added.acc_weight)
   applies = positive & ~nonfinite
 
   def update(carry: Any) -> Any:
     target, inner, _ = carry
-    grads = _terms.gradient(summed, like, divides)
+    grads = _window.gradient(summed, like, divides)
     with_inner = added._replace(inner_opt_state=inner)
     # The params the loop carries: read outside it, they would need a copy.
     now = target if apply_to_params else params

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike, DTypeLike
 
-from optax_accum._core import _checks, _ending, _noise, _placement, _reduction, _terms
+from optax_accum._core import _checks, _ending, _noise, _placement, _reduction, _window
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import (
   WINDOW_MICRO_STEPS,
@@ -174,7 +174,7 @@ class MultiSteps(_OwnTransformation):
       drops only that micro-batch (one more check per micro-batch) and keeps
       the window. Either way the state counts what was dropped.
     terms: Names of loss terms that each keep their own weight over the
-      window (``docs/loss_terms.md``): ``updates``, ``weight`` and ``loss``
+      window (``docs/loss_window.md``): ``updates``, ``weight`` and ``loss``
       are dicts by term name; the window's gradient is ``sum_t A_t / W_t``,
       one accumulator per term; ``window_weight`` is the first term's.
     noise_scale: Measure each window's gradient noise scale, unbiased
@@ -294,7 +294,7 @@ class MultiSteps(_OwnTransformation):
       (0.0, 2.5)
     """
     shares = self.config.grad_reduction == "window_mean"
-    return _terms.mean_loss(window_of(self.config, state), shares=shares)
+    return _window.mean_loss(window_of(self.config, state), shares=shares)
 
   def init(self, params: optax.Params) -> MultiStepsState:
     """Returns the state for a fresh run: an empty window and no updates.
@@ -304,7 +304,7 @@ class MultiSteps(_OwnTransformation):
     ``jit`` then compiles once, not again on its second call."""
     _checks.check_trainable_leaves(params, name="params")
     config = self.config
-    window = _terms.empty(params, config.accumulator_dtype, config.terms)
+    window = _window.empty(params, config.accumulator_dtype, config.terms)
     gradient_step = jnp.zeros([], jnp.int32)
     skip_state: Any = ()
     if self.config.should_skip_update_fn is not None:
@@ -312,8 +312,8 @@ class MultiSteps(_OwnTransformation):
       _, skip_state = self.config.should_skip_update_fn(zeros, gradient_step, params)
     inner_opt_state = self._opt.init(params)
     check_single_accumulation(inner_opt_state)
-    count, weight = jnp.int32, _terms.weight(window).dtype  # A buffer per field:
-    fields = _terms.joined(window, config.terms)._asdict()
+    count, weight = jnp.int32, _window.weight(window).dtype  # A buffer per field:
+    fields = _window.joined(window, config.terms)._asdict()
     if config.noise_scale:
       fields["noise_scale"] = _noise.empty(weight)
     state = MultiStepsState(  # a state is donated leaf by leaf.

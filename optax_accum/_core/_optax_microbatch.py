@@ -158,15 +158,17 @@ def _init(output_like: Any) -> _Carry:
   _check_floating(value)
   dtypes = tuple(jnp.dtype(leaf.dtype) for leaf in jax.tree.leaves(value))
   negative = jnp.zeros([], jnp.int32)
-  return _Carry(_window.empty(value), negative, dtypes, jnp.dtype(weight.dtype))
+  (window,) = _window.empty(value)
+  return _Carry(window, negative, dtypes, jnp.dtype(weight.dtype))
 
 
 def _update(carry: _Carry, output: Any, index: Any) -> _Carry:
   """``carry`` with one micro-batch's ``(value, weight)`` added."""
   del index
   value, weight = _pair(output)
-  kept = _window.admit(carry.window, value, None, weight, reduction=_LOCAL)
-  window = _window.add(carry.window, value, None, kept, reduction=_LOCAL)
+  one = (carry.window,)
+  kept = _window.admit(one, (value,), (None,), (weight,), reduction=_LOCAL)
+  (window,) = _window.add(one, (value,), (None,), kept, reduction=_LOCAL)
   negative = carry.negative + (jnp.asarray(weight) < 0).astype(jnp.int32)
   return dataclasses.replace(carry, window=window, negative=negative)
 
@@ -179,7 +181,7 @@ def _finalize(carry: _Carry) -> tuple[Any, jax.Array]:
   # Without weight nothing was added: the sums are zeros, and so is sum / 1.
   divisor = jnp.where(total > 0, total, jnp.ones_like(total))
   like = jax.tree.unflatten(jax.tree.structure(window.acc_grads), carry.value_dtypes)
-  mean = _window.gradient(window._replace(acc_weight=divisor), like)
+  mean = _window.gradient((window._replace(acc_weight=divisor),), like)
   total = total.astype(carry.weight_dtype)
   return _poisoned(mean, carry.negative > 0), _poisoned(total, carry.negative > 0)
 

@@ -16,7 +16,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.typing import ArrayLike
 
-from optax_accum._core import _checks, _hyperparams, _noise, _reduction, _terms, _window
+from optax_accum._core import _checks, _hyperparams, _noise, _reduction, _window
 from optax_accum._core._state import (
   WINDOW_MICRO_STEPS,
   WINDOW_WEIGHT,
@@ -31,20 +31,20 @@ _LINE_SEARCHES = (
 )
 
 
-def window_of(config: MultiStepsConfig, state: MultiStepsState) -> _terms.Terms:
+def window_of(config: MultiStepsConfig, state: MultiStepsState) -> _window.Terms:
   """The window in progress of a state, one window per loss term."""
   noise = state.noise_scale if config.noise_scale else None
   window = _window.Window(
     state.mini_step, state.acc_grads, state.acc_weight, state.acc_loss, noise
   )
-  return _terms.split(window, config.terms)
+  return _window.split(window, config.terms)
 
 
 def with_window(
-  config: MultiStepsConfig, state: MultiStepsState, window: _terms.Terms
+  config: MultiStepsConfig, state: MultiStepsState, window: _window.Terms
 ) -> MultiStepsState:
   """``state`` holding ``window``; without noise measurements, keeps the state's."""
-  fields = _terms.joined(window, config.terms)._asdict()
+  fields = _window.joined(window, config.terms)._asdict()
   if fields["noise_scale"] is None:
     del fields["noise_scale"]
   return state._replace(**fields)
@@ -154,7 +154,7 @@ def add_micro_batch(
   grads, weight, loss = _per_term(config, grads, weight, loss)
   window = window_of(config, state)
   drop = config.on_nonfinite == "skip_micro_batch"
-  kept = _terms.admit(
+  kept = _window.admit(
     window,
     grads,
     loss,
@@ -164,10 +164,10 @@ def add_micro_batch(
     drop_nonfinite=drop,
   )
   weigh = config.grad_reduction == "mean"
-  window = _terms.add(window, grads, loss, kept, reduction=reduction, weigh=weigh)
+  window = _window.add(window, grads, loss, kept, reduction=reduction, weigh=weigh)
   dropped = kept[0].dropped  # By its weight or its values, in every term.
   if config.grad_reduction == "window_mean":  # Shares of the whole window's mean.
-    window = _terms.spoil(window, dropped)
+    window = _window.spoil(window, dropped)
   added = with_window(config, state, window)._replace(
     updated=jnp.zeros_like(state.updated),
     skipped_micro_batches=_count_if(dropped, state.skipped_micro_batches),
@@ -237,7 +237,10 @@ def run_inner(
   inner_state = added.inner_opt_state
   if not _hyperparams.find_states(inner_state, _LINE_SEARCHES):
     window = window_of(config, added)
-    totals = {WINDOW_WEIGHT: _terms.weight(window), WINDOW_MICRO_STEPS: added.mini_step}
+    totals = {
+      WINDOW_WEIGHT: _window.weight(window),
+      WINDOW_MICRO_STEPS: added.mini_step,
+    }
     extra_args = {**extra_args, **totals}
   updates, inner = opt.update(grads, inner_state, params, **extra_args)
   inner = jax.tree.map(
@@ -262,12 +265,12 @@ def closed(
   window = window_of(config, added)
   noise = added.noise_scale
   if config.noise_scale:
-    weight = _terms.weight(window)
+    weight = _window.weight(window)
     if not config.divides and config.grad_reduction != "window_mean":
       squares = squares / jnp.where(weight > 0, weight * weight, 1)  # Of the mean.
     mode = config.grad_reduction
     noise = _noise.closed(noise, squares, weight, ends, applies, mode)
-  return with_window(config, added, _terms.reset(window, ends))._replace(
+  return with_window(config, added, _window.reset(window, ends))._replace(
     noise_scale=noise,
     gradient_step=_count_if(applies, added.gradient_step),
     inner_opt_state=inner_opt_state,
@@ -275,7 +278,7 @@ def closed(
     skipped_windows=_count_if(nonfinite, added.skipped_windows),
     last_window_loss=_kept_unless(ends, divided_loss, added.last_window_loss),
     last_window_weight=_kept_unless(
-      ends, _terms.weight(window), added.last_window_weight
+      ends, _window.weight(window), added.last_window_weight
     ),
   )
 

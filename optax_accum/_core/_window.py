@@ -1,9 +1,14 @@
-"""Window arithmetic: the running sums of one accumulation window.
+"""The window: the running sums of one accumulation window, term by term.
 
-Pure functions over :class:`Window`: admit a micro-batch, add it, end the window
-in its gradient and squared norm, reset. No optax and no collectives: what is
-summed over replicas goes through the caller's ``reduction`` policy
-(:mod:`optax_accum._core._reduction`).
+Terms normalised differently (a token-mean cross-entropy, a per-sequence KL)
+need each term's weighted mean over the window, ``sum_t A_t / W_t`` (``A_t`` the
+sum of ``weight_t * grad_t``, ``W_t`` of ``weight_t``), and no ``W_t`` is known
+before the window ends. So a window is a tuple of :class:`Window`, one per loss
+term in declared order, and a window without terms is one term. Pure functions:
+admit a micro-batch, add it, end the window in its gradient and squared norm,
+reset; :func:`split` and :func:`joined` convert to and from the state's fields.
+No optax and no collectives: what is summed over replicas goes through the
+caller's ``reduction`` policy (:mod:`optax_accum._core._reduction`).
 
 Examples:
   Two micro-batches of 1 and 3 items; the window's gradient is their item mean:
@@ -13,11 +18,23 @@ Examples:
   >>> local = _reduction.Local()
   >>> window = _window.empty(jnp.zeros(()))
   >>> for grad, weight in [(1.0, 1.0), (3.0, 3.0)]:
-  ...   kept = _window.admit(window, grad, None, weight, reduction=local)
-  ...   window = _window.add(window, grad, None, kept, reduction=local)
+  ...   kept = _window.admit(window, (grad,), (None,), (weight,), reduction=local)
+  ...   window = _window.add(window, (grad,), (None,), kept, reduction=local)
   >>> like = jnp.zeros(())
   >>> float(_window.gradient(window, like)), float(_window.squares(window, like))
   (2.5, 6.25)
+
+  Two terms: a token mean over 1 then 3 tokens, and a per-micro-batch term
+  whose two micro-batches weigh 1 each:
+
+  >>> window = _window.empty(jnp.zeros(()), terms=("tokens", "aux"))
+  >>> for tokens_grad, tokens, aux_grad in [(1.0, 1.0, 10.0), (3.0, 3.0, 20.0)]:
+  ...   grads, weights = (tokens_grad, aux_grad), (tokens, 1.0)
+  ...   kept = _window.admit(window, grads, (None, None), weights, reduction=local)
+  ...   window = _window.add(window, grads, (None, None), kept, reduction=local)
+  >>> # (1 * 1 + 3 * 3) / 4 + (10 + 20) / 2:
+  >>> float(_window.gradient(window, jnp.zeros(())))
+  17.5
 """
 
 from __future__ import annotations
@@ -34,6 +51,8 @@ from optax_accum._core import _backend, _checks, _noise
 
 #: Leaf indices summed as one (``_backend.norm_groups``).
 Groups = tuple[tuple[int, ...], ...]
+#: Loss terms' names, or ``None``: a window of one term.
+Names = tuple[str, ...] | None
 
 
 class Window(NamedTuple):
@@ -46,8 +65,12 @@ class Window(NamedTuple):
   noise_scale: Any = None
 
 
+#: A window: one :class:`Window` per term, in declared order (one without terms).
+Terms = tuple[Window, ...]
+
+
 class Admission(NamedTuple):
-  """What one micro-batch does to the window (see :func:`admit`)."""
+  """What one micro-batch does to a term (see :func:`admit`)."""
 
   weight: jax.Array  # Its weight where its gradient adds, else 0.
   adds: jax.Array  # Whether its gradient joins the window.
@@ -71,7 +94,7 @@ def accumulator_dtype(leaf_dtype: DTypeLike, chosen: DTypeLike | None = None) ->
   )
 
 
-def empty(params: Any, dtype: DTypeLike | None = None) -> Window:
+def _empty(params: Any, dtype: DTypeLike | None = None) -> Window:
   """An empty window for ``params``; the accumulator is sharded like them."""
   acc = jax.tree.map(
     lambda p: jnp.zeros_like(p, dtype=accumulator_dtype(jnp.result_type(p), dtype)),
@@ -96,7 +119,7 @@ def all_finite(*trees: Any) -> jax.Array:
   return finite
 
 
-def admit(
+def _admit(
   window: Window,
   grads: Any,
   loss: ArrayLike | None,
@@ -176,7 +199,7 @@ def _rounded(x: jax.Array, dtype: Any) -> jax.Array:
   return y
 
 
-def add(
+def _add(
   window: Window,
   grads: Any,
   loss: ArrayLike | None,
@@ -219,13 +242,13 @@ def add(
   )
 
 
-def spoil(window: Window, where: ArrayLike) -> Window:
+def _spoil(window: Window, where: ArrayLike) -> Window:
   """``window`` with a NaN sum where ``where``, so it ends without an update: for
   shares of the window's mean, which cannot drop one micro-batch alone.
 
   Examples:
-    >>> w = spoil(empty(jnp.zeros(2)), True)
-    >>> bool(jnp.isnan(squares(w, jnp.zeros(2))))
+    >>> w = _spoil(_empty(jnp.zeros(2)), True)
+    >>> bool(jnp.isnan(_squares(w, jnp.zeros(2))))
     True
   """
   where = jnp.asarray(where)
@@ -241,7 +264,7 @@ def _increment(count: jax.Array) -> jax.Array:
   return jnp.where(count < top, count + 1, count)
 
 
-def gradient(window: Window, like: Any, divide: bool = True) -> Any:
+def _gradient(window: Window, like: Any, divide: bool = True) -> Any:
   """The window's sum times ``1 / weight`` (if ``divide``), in ``like``'s dtypes:
   a product with the reciprocal (within 1 ulp of the quotient), which XLA fuses
   into the optimizer's ops where a quotient gets a buffer."""
@@ -256,7 +279,7 @@ def gradient(window: Window, like: Any, divide: bool = True) -> Any:
   return jax.tree.map(leaf, window.acc_grads, like)
 
 
-def squares(
+def _squares(
   window: Window, like: Any, divide: bool = True, groups: Groups = ()
 ) -> jax.Array:
   """The squared norm of :func:`gradient`: NaN exactly when an element is not
@@ -272,7 +295,7 @@ def squares(
     g = jnp.abs(g).astype(dtype)
     return jnp.square(g) + _backend.nan_marker(g)
 
-  leaves = [terms(g) for g in jax.tree.leaves(gradient(window, like, divide))]
+  leaves = [terms(g) for g in jax.tree.leaves(_gradient(window, like, divide))]
   sums: list[Any] = [None] * len(leaves)
   for group in groups:  # One variadic reduction: a sum per leaf, one kernel.
     parts = [leaves[i] for i in group]
@@ -287,7 +310,7 @@ def squares(
   return total
 
 
-def reset(window: Window, ends: ArrayLike) -> Window:
+def _reset(window: Window, ends: ArrayLike) -> Window:
   """An empty window where ``ends``, ``window`` elsewhere; a selection, so no NaN
   reaches the next window. Noise measurements are left to ``_noise.closed``."""
 
@@ -298,13 +321,13 @@ def reset(window: Window, ends: ArrayLike) -> Window:
   return window._replace(**{f: jax.tree.map(zero, getattr(window, f)) for f in sums})
 
 
-def mean_loss(window: Window, shares: bool = False) -> jax.Array:
+def _mean_loss(window: Window, shares: bool = False) -> jax.Array:
   """The window's token-mean loss so far (0 without weight). ``shares``: the
   losses are already shares of the window's mean, and are summed.
 
   Examples:
     >>> w = Window(jnp.int32(2), None, jnp.float32(4.0), jnp.float32(10.0))
-    >>> float(mean_loss(w)), float(mean_loss(w, shares=True))
+    >>> float(_mean_loss(w)), float(_mean_loss(w, shares=True))
     (2.5, 10.0)
   """
   if shares:
@@ -312,3 +335,153 @@ def mean_loss(window: Window, shares: bool = False) -> jax.Array:
   positive = window.acc_weight > 0
   weight = jnp.where(positive, window.acc_weight, jnp.ones_like(window.acc_weight))
   return jnp.where(positive, window.acc_loss / weight, jnp.zeros_like(weight))
+
+
+def per_term(stored: Any, names: Names) -> tuple[Any, ...]:
+  """A window field of the state (``acc_grads``, ...) as one entry per term."""
+  return (stored,) if names is None else tuple(stored)
+
+
+def stored(entries: tuple[Any, ...], names: Names) -> Any:
+  """The inverse of :func:`per_term`."""
+  return entries[0] if names is None else tuple(entries)
+
+
+def split(window: Window, names: Names) -> Terms:
+  """A state's window as one window per term; noise measurements ride on the first."""
+  fields = (per_term(f, names) for f in window[1:-1])
+  parts = [Window(window.mini_step, *f) for f in zip(*fields, strict=True)]
+  parts[0] = parts[0]._replace(noise_scale=window.noise_scale)
+  return tuple(parts)
+
+
+def joined(window: Terms, names: Names) -> Window:
+  """The inverse of :func:`split`: ``window`` as a state's fields."""
+  fields = (stored(f, names) for f in list(zip(*window, strict=True))[1:-1])
+  joined = Window(window[0].mini_step, *fields)
+  return joined._replace(noise_scale=window[0].noise_scale)
+
+
+def empty(params: Any, dtype: DTypeLike | None = None, terms: Names = None) -> Terms:
+  """An empty window for ``params``: one term, or one per name in ``terms``."""
+  return tuple(_empty(params, dtype) for _ in terms or (None,))
+
+
+def admit(
+  window: Terms,
+  grads: tuple[Any, ...],
+  loss: tuple[Any, ...],
+  weight: tuple[Any, ...],
+  *,
+  reduction: Any,
+  counted: ArrayLike = True,
+  drop_nonfinite: bool = False,
+) -> tuple[Admission, ...]:
+  """What a micro-batch adds to each term (one term's rule: ``_admit``); a
+  micro-batch dropped in any term is dropped in all."""
+  policy = dict(reduction=reduction, counted=counted, drop_nonfinite=drop_nonfinite)
+  each = tuple(
+    _admit(part, g, value, w, **policy)
+    for part, g, value, w in zip(window, grads, loss, weight, strict=True)
+  )
+  if len(each) == 1:
+    return each
+  dropped = jnp.any(jnp.stack([a.dropped for a in each]))
+  return tuple(
+    Admission(
+      jnp.where(dropped, jnp.zeros_like(a.weight), a.weight),
+      a.adds & ~dropped,
+      a.counted,
+      dropped,
+    )
+    for a in each
+  )
+
+
+def add(
+  window: Terms,
+  grads: tuple[Any, ...],
+  loss: tuple[Any, ...],
+  kept: tuple[Admission, ...],
+  *,
+  reduction: Any,
+  weigh: bool = True,
+) -> Terms:
+  """``window`` with an admitted micro-batch added, term by term."""
+  return tuple(
+    _add(part, g, value, k, reduction=reduction, weigh=weigh)
+    for part, g, value, k in zip(window, grads, loss, kept, strict=True)
+  )
+
+
+def spoil(window: Terms, where: ArrayLike) -> Terms:
+  """Every term spoiled where ``where`` (one term's rule: ``_spoil``)."""
+  return tuple(_spoil(part, where) for part in window)
+
+
+def gradient(window: Terms, like: Any, divide: bool = True) -> Any:
+  """The window's gradient ``sum_t A_t / W_t`` in ``like``'s dtypes; a term of
+  weight 0 adds nothing."""
+  if len(window) == 1:
+    return _gradient(window[0], like, divide)
+  total = None
+  for part in window:
+    some = part.acc_weight > 0
+    grad = jax.tree.map(
+      lambda g, some=some: jnp.where(some, g, jnp.zeros_like(g)),
+      _gradient(part, like, divide),
+    )
+    total = grad if total is None else jax.tree.map(jnp.add, total, grad)
+  return total
+
+
+def squares(
+  window: Terms, like: Any, divide: bool = True, groups: Groups = ()
+) -> jax.Array:
+  """The squared norm of :func:`gradient`, NaN where it is not finite (one
+  term's rule: ``_squares``)."""
+  if len(window) == 1:
+    return _squares(window[0], like, divide, groups)
+  one = jnp.ones([], window[0].acc_weight.dtype)
+  total = Window(window[0].mini_step, gradient(window, like, divide), one, one)
+  return _squares(total, like, False, groups)
+
+
+def nonfinite(window: Terms, squares: jax.Array) -> jax.Array:
+  """Whether the window's gradient, losses or weights hold a NaN or an inf."""
+  losses, weights = (
+    tuple(p.acc_loss for p in window),
+    tuple(p.acc_weight for p in window),
+  )
+  return jnp.isnan(squares) | ~all_finite(losses, weights)
+
+
+def reset(window: Terms, ends: ArrayLike) -> Terms:
+  """An empty window where ``ends`` (one term's rule: ``_reset``)."""
+  return tuple(_reset(part, ends) for part in window)
+
+
+def has_weight(window: Terms) -> jax.Array:
+  """Whether any term has positive weight: the window can apply an update."""
+  if len(window) == 1:
+    return window[0].acc_weight > 0
+  return jnp.any(jnp.stack([p.acc_weight > 0 for p in window]))
+
+
+def weight(window: Terms) -> jax.Array:
+  """The window's weight: its first term's (what schedules in items count)."""
+  return window[0].acc_weight
+
+
+def mean_loss(window: Terms, shares: bool = False) -> jax.Array:
+  """The objective so far: the sum of each term's weighted mean loss."""
+  means = [_mean_loss(p, shares) for p in window]
+  return sum(means[1:], means[0])
+
+
+def term_metrics(window: Terms, names: tuple[str, ...]) -> dict[str, Any]:
+  """Each term's mean loss and total weight so far, by name."""
+  return {
+    name: {"loss": _mean_loss(part), "weight": part.acc_weight}
+    for name, part in zip(names, window, strict=True)
+  }

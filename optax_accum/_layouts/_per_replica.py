@@ -26,11 +26,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum._core import _checks, _placement, _reduction, _terms
+from optax_accum._core import _checks, _placement, _reduction, _window
 from optax_accum._core._checks import axes as _axes
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import MultiStepsState
-from optax_accum._core._terms import Names
+from optax_accum._core._window import Names
 from optax_accum._layouts._protocol import (
   Body,
   Layout,
@@ -153,9 +153,9 @@ class PerReplicaLayout(Layout):
       sharding = NamedSharding(self.mesh, self.spec(*rest))
       return jax.ShapeDtypeStruct((self.replicas, *a.shape), a.dtype, sharding=sharding)
 
-    trees = _terms.per_term(sums, terms)
+    trees = _window.per_term(sums, terms)
     stacks = tuple(jax.tree.map(stacked, tree, params) for tree in trees)
-    return PerReplica(_terms.stored(stacks, terms), self.axes)
+    return PerReplica(_window.stored(stacks, terms), self.axes)
 
   def placed(self, tree: Any) -> Any:
     return _placement.as_returned(tree, self.mesh)
@@ -235,7 +235,7 @@ def for_init(
 def _check_params(params: Any, sums: Any, terms: Names) -> None:
   """Raises ``ValueError`` naming the first leaf of ``params`` that a state's
   sums (one tree per term, any layout) lack or hold in another shape."""
-  for tree in _terms.per_term(sums, terms):
+  for tree in _window.per_term(sums, terms):
     _checks.check_tree_matches(
       params,
       tree,

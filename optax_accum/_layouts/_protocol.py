@@ -26,7 +26,7 @@ import numpy as np
 
 from optax_accum._core import _checks, _placement
 from optax_accum._core._state import MultiStepsConfig, MultiStepsState
-from optax_accum._core._terms import Names
+from optax_accum._core._window import Names
 
 Body = Callable[[Any], Any]
 

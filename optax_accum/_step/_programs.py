@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from optax_accum._core import _checks, _ending, _noise, _reduction, _terms
+from optax_accum._core import _checks, _ending, _noise, _reduction, _window
 from optax_accum._core import _transitions as ms
 from optax_accum._core._backend import compiler_options
 from optax_accum._core._hyperparams import get_hyperparams
@@ -172,7 +172,7 @@ def metrics(
   window = ms.window_of(config, added._replace(acc_grads=no_sums))
   out: Metrics = {
     "loss": loss,
-    "weight": _terms.weight(window),
+    "weight": _window.weight(window),
     "micro_steps": added.mini_step,
     "updated": new.updated,
     "update_count": new.gradient_step,
@@ -185,7 +185,7 @@ def metrics(
   if config.noise_scale:
     out["noise_scale"] = _noise.metric(new.noise_scale, new.updated)
   if config.terms is not None:
-    out["terms"] = _terms.term_metrics(window, config.terms)
+    out["terms"] = _window.term_metrics(window, config.terms)
   return out
 
 
@@ -373,8 +373,8 @@ class Bodies:
     loop = self.reduction.per_window()
     empty = acc is None
     if empty:
-      window = _terms.empty(params, self.config.accumulator_dtype, self.config.terms)
-      acc = _terms.joined(window, self.config.terms).acc_grads
+      window = _window.empty(params, self.config.accumulator_dtype, self.config.terms)
+      acc = _window.joined(window, self.config.terms).acc_grads
     own = axes and (empty or not partial)
     start = jax.tree.map(lambda x: loop.own(jnp.zeros_like(x)), acc) if own else acc
 

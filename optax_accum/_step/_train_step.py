@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from optax_accum._core import _checks, _reduction, _terms
+from optax_accum._core import _checks, _reduction, _window
 from optax_accum._core._hyperparams import find_states
 from optax_accum._core._multi_steps import EveryKSchedule, MultiSteps, MultiStepsState
 from optax_accum._core._placement import committed
@@ -222,7 +222,7 @@ class TrainStep:
     if not sums:
       return empty._replace(inner_opt_state=inner)
     config = self.optimizer.config
-    window = _terms.empty(params, config.accumulator_dtype, config.terms)
+    window = _window.empty(params, config.accumulator_dtype, config.terms)
     return with_window(config, empty, window)._replace(inner_opt_state=inner)
 
   def _recalled(
