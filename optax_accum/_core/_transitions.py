@@ -210,6 +210,17 @@ def by_term(names: tuple[str, ...], values: Any, what: str) -> tuple[Any, ...]:
   return tuple(values[name] for name in names)
 
 
+def full(micro_steps: Any, k: Any) -> Any:
+  """Whether a window of ``micro_steps`` counted micro-batches is full: the one
+  rule of a window's end, for the programs' counters and the host's ints alike.
+
+  Examples:
+    >>> full(3, 4), full(4, 4)
+    (False, True)
+  """
+  return micro_steps >= k
+
+
 def window_ends(
   config: MultiStepsConfig,
   added: MultiStepsState,
@@ -217,7 +228,8 @@ def window_ends(
   end_window: ArrayLike | None = None,
 ) -> jax.Array:
   """Whether the micro-batch just added ends the window."""
-  ends = jnp.asarray(counted) & (added.mini_step >= config.k_at(added.gradient_step))
+  k = config.k_at(added.gradient_step)
+  ends = jnp.asarray(counted) & full(added.mini_step, k)
   if end_window is not None:
     ends = ends | _checks.scalar(end_window, name="end_window", dtype=jnp.bool_)
   return ends

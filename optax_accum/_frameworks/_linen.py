@@ -10,7 +10,7 @@ import optax
 from flax.training import train_state
 from jax.typing import ArrayLike
 
-from optax_accum._frameworks._checks import check_accumulates, check_update
+from optax_accum._frameworks._contract import check_accumulates, check_update
 
 
 class TrainState(train_state.TrainState):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import ArrayLike
 
-from optax_accum._frameworks._checks import check_accumulates, check_weight
+from optax_accum._frameworks._contract import check_accumulates, check_weight
 
 
 class Optimizer(nnx.Optimizer):

@@ -17,7 +17,7 @@ from optax_accum._core._multi_steps import EveryKSchedule, MultiSteps, MultiStep
 from optax_accum._core._placement import committed
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import check_single_accumulation
-from optax_accum._core._transitions import with_window
+from optax_accum._core._transitions import full, with_window
 from optax_accum._layouts import ONE_SUM, Layout
 from optax_accum._step._coupled import CoupledLoss, CoupledStep, check_coupled
 from optax_accum._step._explained import (
@@ -121,14 +121,14 @@ class TrainStep:
     counts = (opt_state.mini_step, opt_state.gradient_step, end_window)
     if any(isinstance(x, jax.core.Tracer) for x in counts):  # No tree walk.
       given = opt_state.acc_grads
-      params, opt_state, layout = self._host.arranged(params, opt_state, batch)
+      params, opt_state, layout = self._arranged(params, opt_state, batch, rng)
       params, opt_state, metrics_ = self._run_update(
         params, opt_state, batch, rng, end_window, layout=layout
       )
       return params, self._host.restacked(given, opt_state), metrics_
     known, params, opt_state, hit = self._recalled(params, opt_state, batch, rng)
     value, k = known.counts(opt_state, self.optimizer)
-    ends = bool(end_window) or value + 1 >= k
+    ends = bool(end_window) or full(value + 1, k)  # With this micro-batch.
     if ends:
       fresh = params is known.params  # Returned by the update program.
       out = self._run_update(
@@ -165,7 +165,7 @@ class TrainStep:
       check_state(opt_state)
       return self._scanned(params, opt_state, batch, rng)
     check_counts_keys(opt_state, rng)
-    params, state, layout = self._own_window(params, opt_state, batch, rng)
+    params, state, layout = self._arranged(params, opt_state, batch, rng)
     count = _update_count(opt_state)
     if count is not None:  # The inner state's own count, as the metric's.
       state = state._replace(gradient_step=count)
@@ -191,6 +191,15 @@ class TrainStep:
       return out[0], self._host.restacked(given, out[1]), out[2]
     self._remember(known, out, ends=True)
     return out
+
+  def _arranged(
+    self, params: Any, opt_state: Any, batch: Any, rng: Any
+  ) -> tuple[Any, MultiStepsState, Layout]:
+    """Params and ``opt_state`` as a call runs them, and the layout it runs in:
+    the one place a state is arranged (streaming, scan mode, traced, lower)."""
+    if self.mode == "scan" and not isinstance(opt_state, MultiStepsState):
+      return self._own_window(params, opt_state, batch, rng)
+    return self._host.arranged(params, opt_state, batch, rng)
 
   def _own_window(
     self, params: Any, inner: Any, batch: Any, rng: Any
@@ -233,7 +242,7 @@ class TrainStep:
     known = self._known
     hit = known is not None and known.describes(opt_state)
     if known is None or not hit:
-      params, opt_state, layout = self._host.arranged(params, opt_state, batch, rng)
+      params, opt_state, layout = self._arranged(params, opt_state, batch, rng)
       known = Known(
         opt_state.mini_step, opt_state.gradient_step, None, None, None, UNKNOWN, layout
       )
@@ -286,12 +295,9 @@ class TrainStep:
     ``"ending"`` the second of those two (the window's end alone; the update
     program where a window ends in one).
     """
-    if self.mode == "scan" and not isinstance(opt_state, MultiStepsState):
-      params, opt_state, layout = self._own_window(params, opt_state, batch, rng)
-    else:
-      params, opt_state, layout = self._host.arranged(params, opt_state, batch, rng)
+    params, opt_state, layout = self._arranged(params, opt_state, batch, rng)
     programs = self._host.programs(layout)
-    inputs = self._inputs(params, opt_state, batch, rng)
+    inputs = _inputs(params, opt_state, batch, rng)
     if program == "accumulate" and self.mode == "stream":
       return programs.accumulate.lower(inputs._replace(inner=None))
     if program == "ending" and isinstance(programs.update, Split):
@@ -307,11 +313,6 @@ class TrainStep:
     return programs.update.lower(inputs._replace(end_window=end_window))
 
   # -- calling the programs ------------------------------------------------
-
-  @staticmethod
-  def _inputs(params: Any, opt_state: MultiStepsState, batch: Any, rng: Any) -> Inputs:
-    inner, acc = opt_state.inner_opt_state, opt_state.acc_grads
-    return Inputs(params, inner, acc, counters(opt_state), batch, rng)
 
   def _metrics(self, out: Outputs) -> Metrics:
     """The program's metrics, with ``aux`` where ``loss_fn`` has one."""
@@ -330,7 +331,7 @@ class TrainStep:
   ) -> StepOutput:
     if self.donate and check_aliasing and not is_traced(params, opt_state):
       params, opt_state = _unaliased((params, opt_state), (batch, rng))
-    inputs = self._inputs(params, opt_state, batch, rng)._replace(end_window=end_window)
+    inputs = _inputs(params, opt_state, batch, rng)._replace(end_window=end_window)
     out = self._host.programs(layout).update(inputs)
     return out.params, joined(out.counters, out.inner, out.acc), self._metrics(out)
 
@@ -355,6 +356,12 @@ class TrainStep:
     config = self._bodies.config
     metrics_ = metrics(config, state, state, loss, grad_norm, learning_rate)
     return params, state, self._metrics(out._replace(metrics=metrics_))
+
+
+def _inputs(params: Any, opt_state: MultiStepsState, batch: Any, rng: Any) -> Inputs:
+  """A program's inputs for ``opt_state`` (its inner state, sums and counters)."""
+  inner, acc = opt_state.inner_opt_state, opt_state.acc_grads
+  return Inputs(params, inner, acc, counters(opt_state), batch, rng)
 
 
 def _with_axis_name(optimizer: MultiSteps, axis_name: AxisName | None) -> MultiSteps:

@@ -1,4 +1,5 @@
-"""Checks shared by the framework integrations (``optax_accum.flax``)."""
+"""What the framework integrations (``optax_accum.flax``) require of an optimizer
+and its arguments: checks shared by Linen and NNX."""
 
 from __future__ import annotations
 
