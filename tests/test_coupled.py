@@ -701,8 +701,8 @@ def _per_device(tree, devices=8):
 def test_a_coupled_loss_under_axis_name_is_the_whole_batch(x64):
   """Issue 60: refused before. Each replica gathers the window's
   representations, takes its own rows' cotangents, and the step sums once:
-  in your shard_map, through the step's axis_name under plain jit, and in
-  pmap (SigLIP, t and b included)."""
+  in your shard_map, through the step's axis_name under plain jit (scan mode
+  and streaming), and in pmap (SigLIP, t and b included)."""
   k, tol = 2, 1e-12 if x64 else 1e-5
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
   with jax.enable_x64(x64):
@@ -728,6 +728,14 @@ def test_a_coupled_loss_under_axis_name_is_the_whole_batch(x64):
     moved["pmap"] = jax.tree.map(
       lambda x: x[0], pmapped(params, state, _per_device(window))
     )
+    streamed = optax_accum.make_train_step(
+      SIGLIP, optax.sgd(1.0), axis_name="data", donate=False, every_k_schedule=k
+    )
+    out = (params, streamed.init(params), None)
+    for i in range(k):  # Each micro-batch held on the mesh; the window's end sums.
+      rows = jax.tree.map(lambda x, i=i: x[i], window)
+      out = streamed(*out[:2], jax.device_put(rows, NamedSharding(mesh, P("data"))))
+    moved["stream, axis_name"] = out
     for name, (p, _, metrics) in moved.items():
       assert _rel(jax.tree.map(jnp.subtract, params, p), whole) <= tol, name
       assert float(metrics["weight"]) == ROWS, name
