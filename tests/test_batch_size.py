@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum._step import _known
+from optax_accum._step import _host
 
 DIM, ROWS, TRUE_B = 128, 8, 64.0
 LOW, HIGH = 16.0, 256.0
@@ -190,11 +190,11 @@ def test_no_host_read_inside_a_window(monkeypatch):
   (the controller's estimate of the window before)."""
   reads = []
   value = jax_array.ArrayImpl._value
-  host_int = _known._host_int
+  host_int = _host._host_int
   monkeypatch.setattr(
     jax_array.ArrayImpl, "_value", property(lambda x: reads.append(1) or value.fget(x))
   )
-  monkeypatch.setattr(_known, "_host_int", lambda x: reads.append(1) or host_int(x))
+  monkeypatch.setattr(_host, "_host_int", lambda x: reads.append(1) or host_int(x))
   ctl = _controller()
   step = optax_accum.make_train_step(loss_fn, _sgd0())
   params, state, cstate = jnp.zeros(DIM), None, ctl.init()

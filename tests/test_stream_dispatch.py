@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import optax_accum
-from optax_accum._step import _known
+from optax_accum._step import _host
 
 DIM = 3
 
@@ -68,8 +68,8 @@ CONFIGS = {
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_memo_never_disagrees_with_the_device(config, seed, monkeypatch):
   reads = []
-  host_int = _known._host_int
-  monkeypatch.setattr(_known, "_host_int", lambda x: reads.append(1) or host_int(x))
+  host_int = _host._host_int
+  monkeypatch.setattr(_host, "_host_int", lambda x: reads.append(1) or host_int(x))
   opt = optax_accum.MultiSteps(optax.adam(0.1), **CONFIGS[config])
   step = optax_accum.make_train_step(_loss, opt, donate=False)
   in_graph = jax.jit(
@@ -126,8 +126,8 @@ def test_the_memo_never_disagrees_with_the_device(config, seed, monkeypatch):
 
 def test_steady_state_reads_nothing_from_the_device(monkeypatch):
   reads = []
-  host_int = _known._host_int
-  monkeypatch.setattr(_known, "_host_int", lambda x: reads.append(1) or host_int(x))
+  host_int = _host._host_int
+  monkeypatch.setattr(_host, "_host_int", lambda x: reads.append(1) or host_int(x))
   k = 4
   opt = optax_accum.MultiSteps(optax.adam(0.1), k)
   step = optax_accum.make_train_step(_loss, opt)
@@ -147,8 +147,8 @@ def test_steady_state_reads_nothing_from_the_device(monkeypatch):
 
 def test_callable_k_reads_the_device_once_per_window(monkeypatch):
   reads = []
-  host_int = _known._host_int
-  monkeypatch.setattr(_known, "_host_int", lambda x: reads.append(1) or host_int(x))
+  host_int = _host._host_int
+  monkeypatch.setattr(_host, "_host_int", lambda x: reads.append(1) or host_int(x))
   opt = optax_accum.MultiSteps(optax.sgd(0.1), lambda step: 2 + step % 2)
   step = optax_accum.make_train_step(_loss, opt)
   params = _params()

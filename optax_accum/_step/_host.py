@@ -53,22 +53,22 @@ class Host:
     traced = is_traced(params, opt_state, batch)
     kept = of(opt_state.acc_grads).kept(opt_state.acc_grads)
     if kept is not None:  # A layout the state keeps on any devices.
-      opt_state = self.stored(opt_state, kept, params)
+      opt_state = self.lay_out(opt_state, kept, params)
       if traced:
         return params, opt_state, kept
       return (*committed((params, opt_state), (params, batch)), kept)
     mesh = None if traced else mesh_of(params, batch)
     if traced or (mesh is None and not self._replica_axes):
-      opt_state = self.stored(opt_state, ONE_SUM)
+      opt_state = self.lay_out(opt_state, ONE_SUM)
       if traced:
         return params, opt_state, ONE_SUM
       return (*committed((params, opt_state), (params, batch)), ONE_SUM)
     if mesh is not None:
       params, opt_state = as_returned((params, opt_state), mesh)
     layout = self._data_layout(params, opt_state, batch, rng) or ONE_SUM
-    return params, self.stored(opt_state, layout, params), layout
+    return params, self.lay_out(opt_state, layout, params), layout
 
-  def stored(
+  def lay_out(
     self, opt_state: MultiStepsState, layout: Layout, params: Any = None
   ) -> MultiStepsState:
     """``opt_state`` with its accumulator in ``layout`` (kept if it is)."""
