@@ -211,7 +211,7 @@ def _named(node):
 
 def test_no_layout_dispatch_outside_the_layouts_layer():
   """No ``isinstance`` on a layout class or node, and no stored node's field
-  names, anywhere in the package but ``optax_accum/_layouts/``."""
+  (by name or attribute), anywhere in the package but ``optax_accum/_layouts/``."""
   layout_names = _layout_names()
   assert {"PerReplica", "Packed", "Layout", "PerReplicaLayout"} <= layout_names
   fields = {"sums", "groups", "rest"}
@@ -229,4 +229,6 @@ def test_no_layout_dispatch_outside_the_layouts_layer():
           found.append(f"{path.name}:{node.lineno} isinstance {sorted(hit)}")
       if isinstance(node, ast.Constant) and node.value in fields:
         found.append(f"{path.name}:{node.lineno} field name {node.value!r}")
+      if isinstance(node, ast.Attribute) and node.attr in fields | {"packing"}:
+        found.append(f"{path.name}:{node.lineno} field .{node.attr}")
   assert not found, found

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from optax_accum._core import _checks, _reduction
 from optax_accum._core._multi_steps import MultiSteps, MultiStepsState
+from optax_accum._core._placement import traced
 from optax_accum._core._state import check_not_holding
 from optax_accum._step._explained import (
   check_counts_keys,
@@ -24,7 +25,6 @@ from optax_accum._step._explained import (
   check_state,
   explained,
 )
-from optax_accum._step._host import is_traced
 
 
 class CoupledLoss(NamedTuple):
@@ -326,7 +326,7 @@ class CoupledStep:
     and the caller set none (the program then maps over it)."""
     axes = _checks.axes(self._optimizer.config.axis_name)
     here = jax.sharding.get_abstract_mesh()
-    if not axes or set(axes) <= set(here.axis_names) or is_traced(batch):
+    if not axes or set(axes) <= set(here.axis_names) or traced(batch):
       return program(params, state, batch, rng)
     mesh = _mesh_of(batch, axes)
     if mesh is None:
@@ -379,7 +379,7 @@ class CoupledStep:
     self, params: Any, opt_state: Any, micro_batch: Any, rng: Any, end_window: Any
   ) -> tuple[Any, Any, Any]:
     """One micro-batch: held in the state, or the window it ends run whole."""
-    if is_traced(micro_batch, end_window):
+    if traced(micro_batch, end_window):
       raise ValueError(
         "A streaming step on a CoupledLoss holds micro-batches between calls, "
         "which a trace cannot: in your own jit or scan use mode='scan'."

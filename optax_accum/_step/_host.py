@@ -15,7 +15,7 @@ import numpy as np
 
 from optax_accum._core import _checks
 from optax_accum._core._multi_steps import MultiSteps, MultiStepsState
-from optax_accum._core._placement import as_returned, committed, mesh_of
+from optax_accum._core._placement import as_returned, committed, mesh_of, traced
 from optax_accum._layouts import (
   ONE_SUM,
   Layout,
@@ -29,10 +29,6 @@ from optax_accum._layouts import (
   replicas_for_init,
 )
 from optax_accum._step._programs import Bodies, Inputs, Pair, counters, programs
-
-
-def is_traced(*trees: Any) -> bool:
-  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
 
 
 class Host:
@@ -50,17 +46,17 @@ class Host:
   ) -> tuple[Any, MultiStepsState, Layout]:
     """Params, ``opt_state`` in the call's layout, and that layout: if traced or on
     no mesh one sum (see :meth:`restacked`), else per-replica where it can."""
-    traced = is_traced(params, opt_state, batch)
+    in_trace = traced(params, opt_state, batch)
     kept = of(opt_state.acc_grads).kept(opt_state.acc_grads)
     if kept is not None:  # A layout the state keeps on any devices.
       opt_state = self.lay_out(opt_state, kept, params)
-      if traced:
+      if in_trace:
         return params, opt_state, kept
       return (*committed((params, opt_state), (params, batch)), kept)
-    mesh = None if traced else mesh_of(params, batch)
-    if traced or (mesh is None and not self._replica_axes):
+    mesh = None if in_trace else mesh_of(params, batch)
+    if in_trace or (mesh is None and not self._replica_axes):
       opt_state = self.lay_out(opt_state, ONE_SUM)
-      if traced:
+      if in_trace:
         return params, opt_state, ONE_SUM
       return (*committed((params, opt_state), (params, batch)), ONE_SUM)
     if mesh is not None:
@@ -97,7 +93,7 @@ class Host:
 
   def on_one_sum(self, params: Any, inner: Any, batch: Any) -> bool:
     """Whether an empty-window call runs on one sum: traced or no mesh."""
-    if is_traced(params, inner, batch):
+    if traced(params, inner, batch):
       return True
     return mesh_of(params, batch) is None and not self._replica_axes
 
@@ -122,7 +118,7 @@ class Host:
     key = (layout, *map(avals, (params, batch)), rng is None)
     if key not in self._chosen:
       sums = jax.eval_shape(self.bodies.optimizer.init, params).acc_grads
-      acc = layout.like(sums, params, config.terms).sums
+      acc = layout.inside(layout.like(sums, params, config.terms))
       micro_batch = micro_batch_like(batch) if self.scan else batch
       inputs = Inputs(params, None, acc, counters(opt_state), micro_batch, rng)
 

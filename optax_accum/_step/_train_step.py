@@ -14,7 +14,7 @@ from jax.typing import ArrayLike
 from optax_accum._core import _checks, _reduction, _window
 from optax_accum._core._hyperparams import find_states
 from optax_accum._core._multi_steps import EveryKSchedule, MultiSteps, MultiStepsState
-from optax_accum._core._placement import committed
+from optax_accum._core._placement import committed, traced
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import check_single_accumulation
 from optax_accum._core._transitions import full, with_window
@@ -26,7 +26,7 @@ from optax_accum._step._explained import (
   check_state,
   explained,
 )
-from optax_accum._step._host import UNKNOWN, Host, Known, avals, is_traced
+from optax_accum._step._host import UNKNOWN, Host, Known, avals
 from optax_accum._step._programs import (
   Bodies,
   Inputs,
@@ -156,7 +156,7 @@ class TrainStep:
   ) -> tuple[Any, Any, Metrics]:
     """Scan mode: a whole window; the optimizer's own state comes back as such."""
     _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
-    if is_traced(end_window) or bool(end_window):
+    if traced(end_window) or bool(end_window):
       raise ValueError(
         "`end_window` is for streaming: in scan mode every call ends a window."
       )
@@ -169,7 +169,7 @@ class TrainStep:
     count = _update_count(opt_state)
     if count is not None:  # The inner state's own count, as the metric's.
       state = state._replace(gradient_step=count)
-      if not is_traced(params, state, batch):  # Placed as the programs return it.
+      if not traced(params, state, batch):  # Placed as the programs return it.
         state = committed(state, (params, batch))
     params, state, metrics_ = self._run_update(params, state, batch, rng, layout=layout)
     if count is None:  # Nothing counts updates: no metric rather than 1 each window.
@@ -208,7 +208,7 @@ class TrainStep:
     the state's sums are ``None`` (they live only inside ``Bodies.scan``)."""
     if self._host.on_one_sum(params, inner, batch):
       state = self._around(params, inner, sums=False)
-      if not is_traced(params, state, batch):
+      if not traced(params, state, batch):
         params, state = committed((params, state), (params, batch))
       return params, state, ONE_SUM
     state = self._around(params, inner, sums=True)
@@ -329,7 +329,7 @@ class TrainStep:
     check_aliasing: bool = True,
     layout: Layout = ONE_SUM,
   ) -> StepOutput:
-    if self.donate and check_aliasing and not is_traced(params, opt_state):
+    if self.donate and check_aliasing and not traced(params, opt_state):
       params, opt_state = _unaliased((params, opt_state), (batch, rng))
     inputs = _inputs(params, opt_state, batch, rng)._replace(end_window=end_window)
     out = self._host.programs(layout).update(inputs)
@@ -346,7 +346,7 @@ class TrainStep:
     layout: Layout = ONE_SUM,
   ) -> StepOutput:
     acc = opt_state.acc_grads
-    if self.donate and check_aliasing and not is_traced(params, acc):
+    if self.donate and check_aliasing and not traced(params, acc):
       acc = _unaliased(acc, (params, opt_state.inner_opt_state, batch, rng))
     inputs = Inputs(params, None, acc, counters(opt_state), batch, rng)
     out = self._host.programs(layout).accumulate(inputs)
