@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from optax_accum._core import _placement
-from optax_accum._layouts import ONE_SUM, Layout, register, to_sum
+from optax_accum._layouts import ONE_SUM, Layout, register, saved_as, to_sum
 
 
 @functools.partial(
@@ -59,7 +59,7 @@ class FlatLayout(Layout):
 
   @classmethod
   def saved_in(cls, saved: Any) -> bool:
-    return (saved.get("leaves") if isinstance(saved, dict) else None) is not None
+    return saved_as(saved, Flat, {"leaves"})
 
   @classmethod
   def restore_target(cls, shapes: Any, saved: Any, given: Any) -> Flat:

@@ -520,6 +520,18 @@ def test_a_mid_window_checkpoint_of_8_replicas_resumes_on_fewer_devices(
   )
 
 
+def test_a_one_sum_of_params_named_like_a_layouts_fields_resumes_as_one_sum():
+  """Params with a top-level ``sums`` or ``groups`` leaf: their one-sum
+  checkpoint's metadata is not taken for per-replica or packed sums."""
+  for name in ("sums", "groups"):
+    params = {name: np.zeros(3, np.float32), "b": np.zeros(2, np.float32)}
+    opt = optax_accum.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+    saved = {"acc_grads": {name: np.zeros(3, np.float32), "b": np.zeros(2)}}
+    target = optax_accum.resume_target(opt.init(params), saved)
+    assert jax.tree.structure(target.acc_grads) == jax.tree.structure(params), name
+    assert target.acc_grads[name].shape == (3,)
+
+
 def test_resume_target_takes_the_saved_layout():
   """Packed (a checkpoint written before packing was removed), per-replica
   and one-sum checkpoints each get a target of their own layout and shapes

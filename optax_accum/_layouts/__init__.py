@@ -20,6 +20,7 @@ from optax_accum._layouts._protocol import (
   relayout,
   renamed,
   resume_target,
+  saved_as,
   to_sum,
 )
 
@@ -49,5 +50,6 @@ __all__ = (
   "replicas_for_call",
   "replicas_for_init",
   "resume_target",
+  "saved_as",
   "to_sum",
 )

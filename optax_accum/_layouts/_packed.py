@@ -18,7 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_accum._core import _backend
-from optax_accum._layouts._protocol import Layout, field, leaves, register, zeros
+from optax_accum._layouts._protocol import (
+  Layout,
+  field,
+  leaves,
+  register,
+  saved_as,
+  zeros,
+)
 
 
 class Packing(NamedTuple):
@@ -108,7 +115,7 @@ class PackedLayout(Layout):
 
   @classmethod
   def saved_in(cls, saved: Any) -> bool:
-    return field(saved, "groups", None) is not None
+    return saved_as(saved, Packed, {"groups", "rest"})
 
   @classmethod
   def restore_target(cls, shapes: Any, saved: Any, given: Any) -> Packed:

@@ -39,6 +39,7 @@ from optax_accum._layouts._protocol import (
   leaves,
   register,
   renamed,
+  saved_as,
   sum_shapes,
   to_sum,
 )
@@ -102,7 +103,7 @@ class PerReplicaLayout(Layout):
 
   @classmethod
   def saved_in(cls, saved: Any) -> bool:
-    return field(saved, "sums", None) is not None
+    return saved_as(saved, PerReplica, {"sums"}, optional=frozenset({"axes"}))
 
   @classmethod
   def restore_target(cls, shapes: Any, saved: Any, given: Any) -> PerReplica:

@@ -289,6 +289,18 @@ def resume_target(state: MultiStepsState, saved: Any) -> MultiStepsState:
   return state._replace(acc_grads=kind.restore_target(shapes, acc, state.acc_grads))
 
 
+def saved_as(
+  saved: Any, node: type, fields: set[str], optional: frozenset[str] = frozenset()
+) -> bool:
+  """Whether a checkpoint's ``acc_grads`` is a ``node``: the node itself, or
+  orbax's metadata of one (a dict of its data ``fields``, and of ``optional``
+  ones, nothing else: a one sum whose params have a key of that name is not
+  taken for it)."""
+  if isinstance(saved, Mapping):
+    return fields <= set(saved) <= fields | optional
+  return isinstance(saved, node)
+
+
 def field(tree: Any, name: str, *default: Any) -> Any:
   """A field of a state, a layout node or a checkpoint's metadata (a dict)."""
   if isinstance(tree, Mapping):
