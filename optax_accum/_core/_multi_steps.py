@@ -174,7 +174,7 @@ class MultiSteps(_OwnTransformation):
       drops only that micro-batch (one more check per micro-batch) and keeps
       the window. Either way the state counts what was dropped.
     terms: Names of loss terms that each keep their own weight over the
-      window (``docs/loss_window.md``): ``updates``, ``weight`` and ``loss``
+      window (``docs/loss_terms.md``): ``updates``, ``weight`` and ``loss``
       are dicts by term name; the window's gradient is ``sum_t A_t / W_t``,
       one accumulator per term; ``window_weight`` is the first term's.
     noise_scale: Measure each window's gradient noise scale, unbiased

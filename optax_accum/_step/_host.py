@@ -19,7 +19,6 @@ from optax_accum._core._placement import as_returned, committed, mesh_of, traced
 from optax_accum._layouts import (
   ONE_SUM,
   Layout,
-  carried,
   choose_leaves,
   deferred_for_call,
   deferred_for_init,
@@ -45,7 +44,8 @@ class Host:
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any = None
   ) -> tuple[Any, MultiStepsState, Layout]:
     """Params, ``opt_state`` in the call's layout, and that layout: if traced or on
-    no mesh one sum (see :meth:`restacked`), else per-replica where it can."""
+    no mesh one sum (a traced call's result goes back to the given layout:
+    ``_layouts.carried``), else per-replica where it can."""
     in_trace = traced(params, opt_state, batch)
     kept = of(opt_state.acc_grads).kept(opt_state.acc_grads)
     if kept is not None:  # A layout the state keeps on any devices.
@@ -96,11 +96,6 @@ class Host:
     if traced(params, inner, batch):
       return True
     return mesh_of(params, batch) is None and not self._replica_axes
-
-  def restacked(self, given: Any, opt_state: MultiStepsState) -> MultiStepsState:
-    """Traced: ``opt_state``'s one sum in ``given``'s layout, so a ``scan``
-    carry keeps its type; else ``opt_state``."""
-    return carried(opt_state, given)
 
   @property
   def _replica_axes(self) -> tuple[str, ...]:

@@ -18,7 +18,7 @@ from optax_accum._core._placement import committed, traced
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import check_single_accumulation
 from optax_accum._core._transitions import full, with_window
-from optax_accum._layouts import ONE_SUM, Layout
+from optax_accum._layouts import ONE_SUM, Layout, carried
 from optax_accum._step._coupled import CoupledLoss, CoupledStep, check_coupled
 from optax_accum._step._explained import (
   check_counts_keys,
@@ -125,7 +125,7 @@ class TrainStep:
       params, opt_state, metrics_ = self._run_update(
         params, opt_state, batch, rng, end_window, layout=layout
       )
-      return params, self._host.restacked(given, opt_state), metrics_
+      return params, carried(opt_state, given), metrics_
     known, params, opt_state, hit = self._recalled(params, opt_state, batch, rng)
     value, k = known.counts(opt_state, self.optimizer)
     ends = bool(end_window) or full(value + 1, k)  # With this micro-batch.
@@ -188,7 +188,7 @@ class TrainStep:
       params, opt_state, batch, rng, check_aliasing=not fresh, layout=known.layout
     )
     if isinstance(out[1].mini_step, jax.core.Tracer):  # The layout it was given.
-      return out[0], self._host.restacked(given, out[1]), out[2]
+      return out[0], carried(out[1], given), out[2]
     self._remember(known, out, ends=True)
     return out
 
