@@ -37,6 +37,11 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 if os.environ.get("OPTAX_ACCUM_TEST_PLATFORM", "").strip():
   os.environ["JAX_PLATFORMS"] = os.environ["OPTAX_ACCUM_TEST_PLATFORM"].strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Fast compiles (below, with the other JAX settings).
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+_FAST_COMPILE = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() in {"1", "true"}
+if _FAST_COMPILE and "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 # An accelerator first: through the environment, for workers and subprocesses too.
 if os.environ["JAX_PLATFORMS"].split(",")[0] != "cpu":
   os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
@@ -92,17 +97,20 @@ if not _CACHE_OFF:  # jax is imported already: set its flags as the env does.
         f"jax_persistent_cache_{_flag}",
         _type(os.environ[f"JAX_PERSISTENT_CACHE_{_flag.upper()}"]),
       )
-# XLA's CPU backend compiles without LLVM's optimisation passes (XLA's
-# `xla_backend_optimization_level=0`): that halves most compiles, a third of
-# the suite's CPU time. The HLO passes still run: the programs, their
-# collectives, XLA's cost and memory figures are those of a default build; only
-# the machine code is slower and float results may differ in the last bits.
-# So the tests that compare with output recorded from a default build (marked
-# `full_optimization`: the docs' printed output, release checkpoints, recorded
-# XLA figures) run fully optimised. Through the environment, the xdist workers
-# and every subprocess get it too; JAX_DISABLE_MOST_OPTIMIZATIONS=0 turns it off.
-os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-_FAST_COMPILE = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() in {"1", "true"}
+# XLA's CPU backend compiles fast: without LLVM's optimisation passes (XLA's
+# `xla_backend_optimization_level=0`), and with XLA's elemental emitters rather
+# than its MLIR fusion emitters (`--xla_cpu_use_fusion_emitters=false`, which
+# halves a small model's compile again). Together they take two thirds of the
+# suite's CPU time off. The HLO passes still run: the programs, their
+# collectives, XLA's cost and memory figures are those of a default build (the
+# recorded `tests/data/program_costs.json` matches all three ways); only the
+# machine code is slower and float results may differ in the last bits. So the
+# tests that compare with output recorded from a default build (marked
+# `full_optimization`: the README's printed output, release checkpoints) run
+# with LLVM's passes; XLA reads XLA_FLAGS once per process, so they keep the
+# elemental emitters (their outputs match either way). Through the
+# environment, the xdist workers and every subprocess get both;
+# JAX_DISABLE_MOST_OPTIMIZATIONS=0 turns both off.
 jax.config.update("jax_disable_most_optimizations", _FAST_COMPILE)
 _compiling_fast = [_FAST_COMPILE]  # This process's setting now.
 
