@@ -39,8 +39,9 @@ if os.environ.get("OPTAX_ACCUM_TEST_PLATFORM", "").strip():
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Fast compiles (below, with the other JAX settings).
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-_FAST_COMPILE = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() in {"1", "true"}
-if _FAST_COMPILE and "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
+if os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() in {"1", "true"} and (
+  "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]
+):
   os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 # An accelerator first: through the environment, for workers and subprocesses too.
 if os.environ["JAX_PLATFORMS"].split(",")[0] != "cpu":
@@ -98,19 +99,21 @@ if not _CACHE_OFF:  # jax is imported already: set its flags as the env does.
         _type(os.environ[f"JAX_PERSISTENT_CACHE_{_flag.upper()}"]),
       )
 # XLA's CPU backend compiles fast: without LLVM's optimisation passes (XLA's
-# `xla_backend_optimization_level=0`), and with XLA's elemental emitters rather
-# than its MLIR fusion emitters (`--xla_cpu_use_fusion_emitters=false`, which
-# halves a small model's compile again). Together they take two thirds of the
-# suite's CPU time off. The HLO passes still run: the programs, their
-# collectives, XLA's cost and memory figures are those of a default build (the
-# recorded `tests/data/program_costs.json` matches all three ways); only the
-# machine code is slower and float results may differ in the last bits. So the
-# tests that compare with output recorded from a default build (marked
-# `full_optimization`: the README's printed output, release checkpoints) run
-# with LLVM's passes; XLA reads XLA_FLAGS once per process, so they keep the
-# elemental emitters (their outputs match either way). Through the
-# environment, the xdist workers and every subprocess get both;
+# `xla_backend_optimization_level=0`, which halves most compiles) and with
+# XLA's elemental emitters rather than its MLIR fusion emitters
+# (`--xla_cpu_use_fusion_emitters=false`, set above: a small model's compile
+# halves again, and the suite's CPU time with it). The HLO passes still run: the
+# programs, their collectives, XLA's cost and memory figures are those of a
+# default build (`tests/data/program_costs.json` matches in every setting);
+# only the machine code is slower and float results may differ in the last
+# bits. So the tests that compare with output recorded from a default build or
+# pin two programs' bits to each other (marked `full_optimization`: the
+# README's printed output, release checkpoints, a window's end in two programs
+# or one) run with LLVM's passes. XLA reads XLA_FLAGS once per process, so
+# they keep the elemental emitters; their outputs match either way. Through
+# the environment the xdist workers and every subprocess get both;
 # JAX_DISABLE_MOST_OPTIMIZATIONS=0 turns both off.
+_FAST_COMPILE = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() in {"1", "true"}
 jax.config.update("jax_disable_most_optimizations", _FAST_COMPILE)
 _compiling_fast = [_FAST_COMPILE]  # This process's setting now.
 

@@ -203,7 +203,7 @@ def test_relayout_converts_every_layout_exactly_where_the_maths_allows():
 SIXTEEN = textwrap.dedent(
   """
   import os
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=16"
+  os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=16"
   import sys, jax, jax.numpy as jnp, numpy as np, optax, optax_accum
   import orbax.checkpoint as ocp
   from jax.sharding import NamedSharding, PartitionSpec as P

@@ -176,6 +176,7 @@ def _streamed(model, two_programs):
   return params, state, metrics
 
 
+@pytest.mark.full_optimization  # Bit for bit as a default build compiles them.
 def test_a_window_ends_bit_identically_in_two_programs_or_one():
   """Where the backend seam says one program (GPUs), a window's last call
   runs the merged update program: params, state and every metric bit for
