@@ -102,7 +102,7 @@ if not _CACHE_OFF:  # jax is imported already: set its flags as the env does.
 # `xla_backend_optimization_level=0`, which halves most compiles) and with
 # XLA's elemental emitters rather than its MLIR fusion emitters
 # (`--xla_cpu_use_fusion_emitters=false`, set above: a small model's compile
-# halves again, and the suite's CPU time with it). The HLO passes still run: the
+# halves again, and the suite's CPU time nearly does). The HLO passes still run: the
 # programs, their collectives, XLA's cost and memory figures are those of a
 # default build (`tests/data/program_costs.json` matches in every setting);
 # only the machine code is slower and float results may differ in the last
