@@ -39,10 +39,10 @@ if os.environ.get("OPTAX_ACCUM_TEST_PLATFORM", "").strip():
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Fast compiles (below, with the other JAX settings).
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-if os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() in {"1", "true"} and (
-  "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]
-):
-  os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
+if os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() in {"1", "true"}:
+  for _flag in ("use_fusion_emitters=false", "parallel_codegen_split_count=1"):
+    if f"xla_cpu_{_flag.split('=')[0]}" not in os.environ["XLA_FLAGS"]:
+      os.environ["XLA_FLAGS"] += f" --xla_cpu_{_flag}"
 # An accelerator first: through the environment, for workers and subprocesses too.
 if os.environ["JAX_PLATFORMS"].split(",")[0] != "cpu":
   os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
@@ -99,20 +99,22 @@ if not _CACHE_OFF:  # jax is imported already: set its flags as the env does.
         _type(os.environ[f"JAX_PERSISTENT_CACHE_{_flag.upper()}"]),
       )
 # XLA's CPU backend compiles fast: without LLVM's optimisation passes (XLA's
-# `xla_backend_optimization_level=0`, which halves most compiles) and with
-# XLA's elemental emitters rather than its MLIR fusion emitters
+# `xla_backend_optimization_level=0`, which halves most compiles), with XLA's
+# elemental emitters rather than its MLIR fusion emitters
 # (`--xla_cpu_use_fusion_emitters=false`, set above: a small model's compile
-# halves again, and the suite's CPU time nearly does). The HLO passes still run: the
-# programs, their collectives, XLA's cost and memory figures are those of a
-# default build (`tests/data/program_costs.json` matches in every setting);
-# only the machine code is slower and float results may differ in the last
-# bits. So the tests that compare with output recorded from a default build or
-# pin two programs' bits to each other (marked `full_optimization`: the
-# README's printed output, release checkpoints, a window's end in two programs
-# or one) run with LLVM's passes. XLA reads XLA_FLAGS once per process, so
-# they keep the elemental emitters; their outputs match either way. Through
-# the environment the xdist workers and every subprocess get both;
-# JAX_DISABLE_MOST_OPTIMIZATIONS=0 turns both off.
+# halves again) and with the machine code in one LLVM module, not split for
+# parallel codegen (`--xla_cpu_parallel_codegen_split_count=1`: a small MLP's
+# MultiSteps step compiles in 163 ms of CPU rather than 289 ms). The HLO passes
+# still run: the programs, their collectives, XLA's cost and memory figures are
+# those of a default build (`tests/data/program_costs.json` matches in every
+# setting); only the machine code is slower and float results may differ in
+# the last bits. So the tests that compare with output recorded from a default
+# build or pin two programs' bits to each other (marked `full_optimization`:
+# the README's printed output, release checkpoints, a window's end in two
+# programs or one) run with LLVM's passes. XLA reads XLA_FLAGS once per
+# process, so they keep the two XLA flags; their outputs match either way.
+# Through the environment the xdist workers and every subprocess get all
+# three; JAX_DISABLE_MOST_OPTIMIZATIONS=0 turns all three off.
 _FAST_COMPILE = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() in {"1", "true"}
 jax.config.update("jax_disable_most_optimizations", _FAST_COMPILE)
 _compiling_fast = [_FAST_COMPILE]  # This process's setting now.
