@@ -112,8 +112,12 @@ def make_loss(graphdef: Any) -> Callable[[Any, Any], tuple[jax.Array, jax.Array]
 
 
 def _rel(a: Any, b: Any) -> float:
-  """``||a - b|| / ||b||`` over whole trees."""
-  return float(optax.tree.norm(jax.tree.map(jnp.subtract, a, b)) / optax.tree.norm(b))
+  """``||a - b|| / ||b||`` over whole trees, on the host in float64."""
+  a, b = (
+    np.concatenate([np.ravel(x).astype(np.float64) for x in jax.tree.leaves(t)])
+    for t in jax.device_get((a, b))
+  )
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def _micro(batch: dict[str, np.ndarray], k: int) -> list[dict[str, np.ndarray]]:

@@ -17,7 +17,7 @@ import optax_accum
 from benchmarks import accumulation
 from optax_accum._core import _backend
 from optax_accum._layouts import ONE_SUM
-from optax_accum._step._programs import Split, programs
+from optax_accum._step._programs import TwoPrograms, programs
 
 K = 3
 PACKAGE = pathlib.Path(optax_accum.__file__).parent
@@ -157,8 +157,8 @@ def test_the_builder_asks_the_layout_whether_a_window_ends_in_two_programs(two):
   with _backend.overridden(jax.default_backend(), two_programs=two):
     pair = programs(ONE_SUM, step._bodies, scan=False, donate=False)
     scan = programs(ONE_SUM, step._bodies, scan=True, donate=False)
-  assert isinstance(pair.update, Split) == two
-  assert not isinstance(scan.update, Split)  # A scan window is one program.
+  assert isinstance(pair.update, TwoPrograms) == two
+  assert not isinstance(scan.update, TwoPrograms)  # A scan window is one program.
 
 
 def _streamed(model, two_programs):

@@ -230,7 +230,7 @@ def test_a_window_ends_in_two_programs_within_the_merged_ones_memory():
   ``lower`` gives the two as one program, whose peak bounds each's (the
   inner state resident while the accumulate program runs)."""
   from benchmarks import accumulation
-  from optax_accum._step._programs import Inputs, Split, counters
+  from optax_accum._step._programs import Inputs, TwoPrograms, counters
 
   model = accumulation.many_leaves(64, 32, 4)
   opt = optax_accum.MultiSteps(optax.adamw(1e-3), 4)
@@ -238,7 +238,7 @@ def test_a_window_ends_in_two_programs_within_the_merged_ones_memory():
   params, batch = model["params"], model["batch"](2)
   params, state, layout = step._host.arranged(params, step.init(params), batch)
   accumulate, update = step._host.programs(layout)
-  assert isinstance(update, Split)
+  assert isinstance(update, TwoPrograms)
   assert update.accumulate is accumulate
   inner, acc = state.inner_opt_state, state.acc_grads
   inputs = Inputs(params, inner, acc, counters(state), batch, None, False)

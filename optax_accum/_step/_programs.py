@@ -122,7 +122,7 @@ class Pair(NamedTuple):
   update: Any
 
 
-class Split:
+class TwoPrograms:
   """The update program run as ``accumulate`` then ``ending``: on XLA:CPU, where
   a dispatch costs as much as the work, faster, and the gradient compiles once.
   :meth:`lower` gives ``merged`` (one program), whose peak bounds each's."""
@@ -466,5 +466,5 @@ def programs(layout: Layout, bodies: Bodies, *, scan: bool, donate: bool) -> Pai
   accumulate = program(bodies.accumulate, ACCUMULATE_DONATES)
   update = program(bodies.scan if scan else bodies.update, UPDATE_DONATES, window=scan)
   if not scan and layout.two_programs(bodies.config):
-    update = Split(accumulate, program(bodies.ending, UPDATE_DONATES), update)
+    update = TwoPrograms(accumulate, program(bodies.ending, UPDATE_DONATES), update)
   return Pair(accumulate, update)

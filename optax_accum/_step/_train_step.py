@@ -32,7 +32,7 @@ from optax_accum._step._programs import (
   Inputs,
   Metrics,
   Outputs,
-  Split,
+  TwoPrograms,
   counters,
   joined,
   learning_rate,
@@ -72,7 +72,7 @@ class TrainStep:
   one and ends the window if it is full, running the inner optimizer in a
   loop that runs at most once, in place (on XLA:CPU the call runs
   ``accumulate_program``, then the window's end alone:
-  :class:`~optax_accum._step._programs.Split`). Which one runs is decided
+  :class:`~optax_accum._step._programs.TwoPrograms`). Which one runs is decided
   from the state's own counters, which the host knows for the state it
   returned last (:class:`~optax_accum._step._host.Known`) and reads from
   the device otherwise, so a loop queues step after step without waiting.
@@ -97,7 +97,7 @@ class TrainStep:
     self._bodies = Bodies(loss_fn, optimizer, has_aux, policy)
     self._host = Host(self._bodies, mode, donate)
     self.accumulate_program, update = self._host.programs(ONE_SUM)
-    self.update_program = update.merged if isinstance(update, Split) else update
+    self.update_program = update.merged if isinstance(update, TwoPrograms) else update
     self._known: Known | None = None
     # Scan mode with the inner optimizer's own state: per params' shapes, that
     # state's structure and the counters of an empty window.
@@ -300,7 +300,7 @@ class TrainStep:
     inputs = _inputs(params, opt_state, batch, rng)
     if program == "accumulate" and self.mode == "stream":
       return programs.accumulate.lower(inputs._replace(inner=None))
-    if program == "ending" and isinstance(programs.update, Split):
+    if program == "ending" and isinstance(programs.update, TwoPrograms):
       ends = inputs._replace(batch=None, rng=None, end_window=False)
       return programs.update.ending.lower(ends)
     scan_ending = self.mode == "scan" and program != "update"
