@@ -150,6 +150,13 @@ def joined(counters: MultiStepsState, inner: Any, acc: Any) -> MultiStepsState:
   return counters._replace(inner_opt_state=inner, acc_grads=acc)
 
 
+def without_sums(config: MultiStepsConfig, state: MultiStepsState) -> MultiStepsState:
+  """``state`` without its sums (``None`` in each term's place): what reads the
+  window's totals, and the window's end where the sums it resets go unused."""
+  names = config.terms
+  return state._replace(acc_grads=None if names is None else (None,) * len(names))
+
+
 def learning_rate(state: MultiStepsState) -> Any:
   """The injected learning rate, a dict of them by group, or ``None``."""
   try:
@@ -167,9 +174,7 @@ def metrics(
   lr: Any,
 ) -> Metrics:
   """The step's metrics (per term under ``"terms"``); never reads the sums."""
-  names = config.terms
-  no_sums = None if names is None else (None,) * len(names)
-  window = ms.window_of(config, added._replace(acc_grads=no_sums))
+  window = ms.window_of(config, without_sums(config, added))
   out: Metrics = {
     "loss": loss,
     "weight": _window.weight(window),
@@ -398,10 +403,10 @@ class Bodies:
   def _end(self, added: MultiStepsState, ends: Any, params: Any) -> tuple[Any, ...]:
     """Ends the window if ``ends``: params (in place), inner, counters, metrics."""
     loss = self.optimizer.window_loss(added)
-    done = _ending.end(
+    done = _ending.end(  # The accumulator keeps the sums: no reset to trace.
       self.config,
       self.optimizer.inner_opt,
-      added,
+      without_sums(self.config, added),
       ends,
       sums=added.acc_grads,
       params=params,
