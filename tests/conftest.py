@@ -40,9 +40,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Fast compiles (below, with the other JAX settings).
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 if os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() in {"1", "true"}:
-  for _flag in ("use_fusion_emitters=false", "parallel_codegen_split_count=1"):
-    if f"xla_cpu_{_flag.split('=')[0]}" not in os.environ["XLA_FLAGS"]:
-      os.environ["XLA_FLAGS"] += f" --xla_cpu_{_flag}"
+  for _flag, _value in (
+    ("use_fusion_emitters", "false"),
+    ("parallel_codegen_split_count", "1"),
+  ):
+    if f"--xla_cpu_{_flag}" not in os.environ["XLA_FLAGS"]:
+      os.environ["XLA_FLAGS"] += f" --xla_cpu_{_flag}={_value}"
 # An accelerator first: through the environment, for workers and subprocesses too.
 if os.environ["JAX_PLATFORMS"].split(",")[0] != "cpu":
   os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")

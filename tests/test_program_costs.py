@@ -5,8 +5,8 @@ The figures (``tests/data/program_costs.json``) are XLA's FLOPs, bytes
 accessed and scratch bytes of each program on the benchmark models, recorded
 from a default build with ``python -m tests.program_costs`` (see its
 docstring); deterministic for one jax version, and the HLO's: the same
-without LLVM's passes and with XLA:CPU's elemental emitters, as the suite
-compiles (tests/conftest.py).
+without LLVM's passes, with XLA:CPU's elemental emitters and in one LLVM
+module, as the suite compiles (tests/conftest.py).
 """
 
 import json
