@@ -31,6 +31,7 @@ class Op(NamedTuple):
   kind: str  # "all-reduce", "reduce", ...
   bytes: int  # Of its result, all operands of a combined one together.
   in_loop: bool  # Inside a while loop's body or condition (runs per iteration).
+  in_branch: bool = False  # Inside a conditional's branch (runs where it is taken).
 
 
 def _bytes(types: str) -> int:
@@ -52,7 +53,7 @@ def collectives(hlo_text: str) -> list[Op]:
     ...   ROOT %r = f32[8]{0} all-reduce(%p), to_apply=%add
     ... }'''
     >>> collectives(text)
-    [Op(kind='all-reduce', bytes=32, in_loop=False)]
+    [Op(kind='all-reduce', bytes=32, in_loop=False, in_branch=False)]
   """
   return ops(hlo_text, KINDS)
 
@@ -62,14 +63,14 @@ def ops(hlo_text: str, kinds: tuple[str, ...]) -> list[Op]:
   fused ones included (see :func:`collectives`)."""
   op = re.compile(r"=\s*(?P<type>.*?)\s(?P<kind>" + "|".join(kinds) + r")(?:-start)?\(")
   bodies = _computations(hlo_text)
-  in_loop = _in_loops(bodies)
+  in_loop, in_branch = _under(bodies, " while("), _under(bodies, " conditional(")
   found = []
   for name, lines in bodies.items():
     for line in lines:
       match = op.search(line)
       if match:
         kind, size = match.group("kind"), _bytes(match.group("type"))
-        found.append(Op(kind, size, name in in_loop))
+        found.append(Op(kind, size, name in in_loop, name in in_branch))
   return found
 
 
@@ -86,8 +87,9 @@ def _computations(hlo_text: str) -> dict[str, list[str]]:
   return bodies
 
 
-def _in_loops(bodies: dict[str, list[str]]) -> set[str]:
-  """The computations a while loop's body or condition calls, at any depth."""
+def _under(bodies: dict[str, list[str]], op: str) -> set[str]:
+  """The computations that an ``op`` (``" while("``, ``" conditional("``)
+  calls, at any depth."""
 
   def called(lines: list[str]) -> set[str]:
     names = set()
@@ -97,19 +99,19 @@ def _in_loops(bodies: dict[str, list[str]]) -> set[str]:
         names.update(n.strip().lstrip("%") for n in group.split(","))
     return names
 
-  in_loop: set[str] = set()
+  under: set[str] = set()
   frontier = []
   for lines in bodies.values():
     for line in lines:
-      if " while(" in line:
-        frontier.extend(_CALLED.findall(line))
+      if op in line:
+        frontier.extend(called([line]))
   while frontier:
     name = frontier.pop()
-    if name in in_loop or name not in bodies:
+    if name in under or name not in bodies:
       continue
-    in_loop.add(name)
+    under.add(name)
     frontier.extend(called(bodies[name]))
-  return in_loop
+  return under
 
 
 # --- control flow in a lowered (StableHLO) program ---------------------------

@@ -1,7 +1,7 @@
 """The backend seam (``optax_accum._core._backend``): programs lowered for a
 GPU hold no control flow that XLA:GPU decides on the host, and the GPU form
 (the optimizer always run, a select keeping the old values) gives the whole
-batch's result; CPU keeps its once-loops.
+batch's result; CPU keeps its conds.
 
 No GPU is needed: ``Traced.lower(lowering_platforms=("cuda",))`` lowers on
 any machine, and the GPU form runs on CPU with ``lax.platform_dependent``
@@ -58,8 +58,8 @@ def test_lowered_for_a_gpu_no_control_flow_waits_for_the_host(path):
   traced = fn.trace(*args)
   gpu = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert data_dependent_control_flow(gpu) == []
-  # The reader finds what it must: the CPU form keeps a loop or a cond that
-  # runs the optimizer once or never.
+  # The reader finds what it must: the CPU form keeps a cond that runs the
+  # optimizer once or never.
   cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
   assert data_dependent_control_flow(cpu)
 

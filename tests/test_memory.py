@@ -187,11 +187,11 @@ def test_update_program_writes_no_params_sized_constant():
 def test_step_in_your_jit_reads_the_sums_only_where_a_window_ends():
   """Traced in the caller's ``jit`` the step runs its update program on every
   micro-step. The window's norm and finite check (a reduction a leaf) run
-  in a loop that runs only where a window ends, as the optimizer's does:
-  outside its loops the program reduces no more than the bare accumulate
-  call.
+  in a ``cond`` branch taken only where a window ends, as the optimizer's
+  is: outside its branches the program reduces no more than the bare
+  accumulate call.
 
-  Computed before that loop they read every sum on every micro-step: the
+  Computed before that branch they read every sum on every micro-step: the
   8M-param MLP took 1.34x its floor a micro-step, and 0.99x once they were
   moved in (issue 29).
   """
@@ -209,8 +209,8 @@ def test_step_in_your_jit_reads_the_sums_only_where_a_window_ends():
   zeros = jax.tree.map(jnp.zeros_like, params)
   hand = reductions(jax.jit(accumulate).lower(zeros, params, batch))
   ours = reductions(jax.jit(step).lower(params, opt.init(params), batch))
-  assert any(op.in_loop for op in ours)  # The window's end: norm, finite check.
-  outside = [sum(not op.in_loop for op in found) for found in (ours, hand)]
+  assert any(op.in_branch for op in ours)  # The window's end: norm, finite check.
+  outside = [sum(not op.in_branch for op in found) for found in (ours, hand)]
   assert outside[0] <= outside[1], outside
 
 

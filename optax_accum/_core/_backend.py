@@ -165,26 +165,22 @@ def norm_groups(like: Any) -> tuple[tuple[int, ...], ...]:
 def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
   """``fn(init)`` if ``pred`` else ``init`` (typed like ``fn``'s outputs).
 
-  On CPU and TPU a loop run once or never, whose carry XLA updates in place (a
-  ``cond`` or a select keeps old and new alive). XLA:GPU would copy a
-  data-dependent predicate to the host and wait on every execution, so there
-  :func:`select_if`.
+  On CPU and TPU a ``lax.cond``, whose operands XLA updates in place (the
+  scratch bytes of a loop run once or never, which compiles slower). XLA:GPU
+  would copy a data-dependent predicate to the host and wait on every
+  execution, so there :func:`select_if`.
 
   Examples:
     >>> float(once_if(jnp.array(True), lambda x: x + 1, jnp.array(1.0)))
     2.0
   """
 
-  def looped(p: jax.Array, i: Any) -> Any:
-    return jax.lax.while_loop(
-      lambda carry: carry[0],
-      lambda carry: (jnp.zeros_like(carry[0]), fn(carry[1])),
-      (p, i),
-    )[1]
+  def conded(p: jax.Array, i: Any) -> Any:
+    return jax.lax.cond(p, fn, lambda x: x, i)
 
   # One callable for CPU and TPU: platform_dependent traces each distinct one.
   return jax.lax.platform_dependent(
-    pred, init, cpu=looped, tpu=looped, default=functools.partial(select_if, fn=fn)
+    pred, init, cpu=conded, tpu=conded, default=functools.partial(select_if, fn=fn)
   )
 
 
@@ -201,7 +197,7 @@ def select_if(pred: jax.Array, init: Any, fn: Callable[[Any], Any]) -> Any:
   # call per leaf costs a 176-leaf model's first window 0.2 CPU-s.
   def pick(new: jax.Array, old: jax.Array) -> jax.Array:
     old = jax.lax.convert_element_type(old, new.dtype)
-    return jax.lax.select(jax.lax.broadcast(pred, np.shape(new)), new, old)
+    return jax.lax.select(pred, new, old)  # A scalar ``pred``: any sharding.
 
   return jax.tree.map(pick, fn(init), init)
 

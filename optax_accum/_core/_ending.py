@@ -108,7 +108,7 @@ def end(
     target, inner, _ = carry
     grads = _window.gradient(summed, like, divides)
     with_inner = added._replace(inner_opt_state=inner)
-    # The params the loop carries: read outside it, they would need a copy.
+    # The params the cond updates, its operand: closed over, they would need a copy.
     now = target if apply_to_params else params
     new, inner = ms.run_inner(config, opt, grads, with_inner, now, extra_args)
     target = optax.apply_updates(target, new) if apply_to_params else new
