@@ -69,8 +69,8 @@ class TrainStep:
 
   Streaming runs two programs: ``accumulate_program`` adds a micro-batch
   that cannot end the window (a gradient and an add); ``update_program`` adds
-  one and ends the window if it is full, running the inner optimizer in a
-  loop that runs at most once, in place (on XLA:CPU the call runs
+  one and ends the window if it is full, running the inner optimizer at most
+  once, in place (on XLA:CPU the call runs
   ``accumulate_program``, then the window's end alone:
   :class:`~optax_accum._step._programs.TwoPrograms`). Which one runs is decided
   from the state's own counters, which the host knows for the state it
