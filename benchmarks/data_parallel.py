@@ -58,14 +58,16 @@ def _window_bytes(lowered: dict[str, Any], k: int, in_graph: bool) -> int:
   total = 0
   for program, low in lowered.items():
     found = collectives(low.compile().as_text())
-    once = sum(c.bytes for c in found if not c.in_loop)
+    once = sum(c.bytes for c in found if not (c.in_loop or c.in_branch))
     per_micro_batch = sum(c.bytes for c in found if c.in_loop)
+    ending = sum(c.bytes for c in found if c.in_branch and not c.in_loop)
     if program == "scan":
-      total += once + k * per_micro_batch
+      total += once + ending + k * per_micro_batch
     elif program == "accumulate":
       total += (k - 1) * once
-    else:  # The update program: once a window, or every micro-step in-graph.
-      total += (k if in_graph else 1) * once
+    else:  # The update program: once a window, or every micro-step in-graph;
+      # its branches run where a window ends.
+      total += (k if in_graph else 1) * once + ending
   return total
 
 

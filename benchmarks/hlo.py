@@ -1,5 +1,6 @@
 """The ops of a compiled program, read from its HLO text: which kind, how
-many bytes, and whether a while loop runs them (its collectives, say)."""
+many bytes, and whether a while loop or a conditional's branch runs them (its
+collectives, say)."""
 
 from __future__ import annotations
 

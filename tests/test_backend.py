@@ -174,7 +174,7 @@ def test_a_narrow_accumulator_is_rounded_where_xla_gpu_cannot_skip_it(dtype):
 
 def test_a_window_end_traces_the_optimizer_once():
   """The optimizer's trace is most of a program's: ``_ending.once_if`` traces
-  it once for its types, the loop (CPU, TPU) and the select (GPUs) together
+  it once for its types, the ``cond`` (CPU, TPU) and the select (GPUs) together
   (``lax.platform_dependent`` traces each distinct branch: 3 traces before)."""
   traces = []
 

@@ -118,7 +118,7 @@ def test_the_norm_reduces_small_leaves_a_group_at_a_time(monkeypatch):
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's module")
 def test_a_norm_group_holds_at_most_the_backend_s_leaves():
   """A variadic reduction compiles in time growing faster than its operands
-  (at 176 leaves of 8 x 8, two groups of 88 compile slower than groups of 16):
+  (at 176 leaves of 8 x 8, groups of 128 and 48 compile slower than groups of 16):
   leaves of one shape in consecutive groups of at most ``max_group_leaves``,
   within the element bound."""
   cap = _backend.of("cpu").max_group_leaves

@@ -131,8 +131,9 @@ def consecutive(
 def norm_groups(like: Any) -> tuple[tuple[int, ...], ...]:
   """Leaves of ``like`` (the params or the updates) whose squares the window's
   norm sums in one variadic reduction: small leaves of one shape and dtype, in
-  groups of at most the backend's ``max_group_size`` elements, where the
-  backend says so, on one device and outside a mesh context.
+  groups of at most the backend's ``max_group_size`` elements and
+  ``max_group_leaves`` leaves, where the backend says so, on one device and
+  outside a mesh context.
 
   XLA:CPU compiles a kernel per distinct reduction. A variadic reduction's
   sums differ from single ones in their last bits, so the groups depend on
@@ -165,8 +166,9 @@ def norm_groups(like: Any) -> tuple[tuple[int, ...], ...]:
 def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
   """``fn(init)`` if ``pred`` else ``init`` (typed like ``fn``'s outputs).
 
-  On CPU and TPU a ``lax.cond``, whose operands XLA updates in place (the
-  scratch bytes of a loop run once or never, which compiles slower). XLA:GPU
+  On CPU and TPU a ``lax.cond``: XLA:CPU updates its operands in place
+  (scratch within a few KB of a loop run once or never, no params-sized copy;
+  not measured on a TPU) and compiles it no slower than the loop. XLA:GPU
   would copy a data-dependent predicate to the host and wait on every
   execution, so there :func:`select_if`.
 
@@ -187,6 +189,7 @@ def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
 def select_if(pred: jax.Array, init: Any, fn: Callable[[Any], Any]) -> Any:
   """``fn(init)`` where ``pred``, else ``init``: ``fn`` always runs, and a
   select fused into its kernels keeps ``init`` where ``pred`` is false.
+  ``fn`` returns arrays (``_ending.once_if`` jits it) typed like ``init``.
 
   Examples:
     >>> float(select_if(jnp.array(False), jnp.array(1.0), lambda x: x + 1))
