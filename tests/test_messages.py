@@ -87,6 +87,15 @@ def test_no_weight_warns_once_and_weight_one_asks_for_the_uniform_mean():
       _, state = step(_params(), state)
     opt.update(_params(), state)
   assert len(seen) == 1  # Once for the optimizer, not per call or trace.
+  # It gives the rule, not one count: what the loss divides by, each usual case.
+  rule = str(seen[0].message)
+  for words in (
+    "the count your loss divides by",
+    "tokens for a token mean",
+    "rows for a mean of per-row means",
+    "grad_reduction='window_mean'",
+  ):
+    assert words in rule, words
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     optax_accum.MultiSteps(optax.sgd(1.0), K).update(_params(), state, weight=1)

@@ -71,11 +71,15 @@ def _check_one_sum(state: MultiStepsState) -> None:
 def _warn_unweighted() -> None:
   warnings.warn(
     f"{NO_WEIGHT}: every micro-batch weighs 1, so a window's gradient is the "
-    "uniform mean of micro-batch means (optax.MultiSteps' behaviour), not the "
-    "whole batch's token mean. Pass weight=<items behind this micro-batch's "
-    "loss>, or weight=1 to ask for the uniform mean. Flax's own "
-    "TrainState.apply_gradients cannot pass a weight: use "
-    "optax_accum.flax.TrainState.",
+    "uniform mean of micro-batch gradients (optax.MultiSteps' behaviour), the "
+    "whole batch's only when every micro-batch's loss divides by the same "
+    "count. Pass weight=<the count your loss divides by>: valid tokens for a "
+    "token mean, rows for a mean of per-row means, rows x length for a mean "
+    "over all positions; for a loss divided by a constant or not at all, "
+    "build MultiSteps(..., grad_reduction='window_mean'). weight=1 asks for "
+    "the uniform mean without this warning (docs/multi_steps.md, 'The "
+    "weight'). Flax's own TrainState.apply_gradients cannot pass a weight: "
+    "use optax_accum.flax.TrainState.",
     UserWarning,
     stacklevel=4,
   )
@@ -119,7 +123,11 @@ class MultiSteps(_OwnTransformation):
   A drop-in for :class:`optax.MultiSteps` that gives exactly the whole-batch
   gradient when micro-batches hold different numbers of items (tokens,
   samples). Each call passes one micro-batch's gradient :math:`g_i` of its
-  mean loss and its ``weight`` :math:`w_i`; the window's last call runs the
+  loss and its ``weight`` :math:`w_i`, **the count that loss divides by**:
+  valid tokens for a token mean, rows for a mean of per-row means (EasyLM's
+  loss), rows times length for a mean over all positions; a loss divided by
+  a constant or not at all takes ``grad_reduction="window_mean"`` instead
+  (the table is in ``docs/multi_steps.md``). The window's last call runs the
   inner optimizer on
 
   .. math::
@@ -349,9 +357,14 @@ class MultiSteps(_OwnTransformation):
         each entry a term's gradient, weight and loss.
       state: The current state.
       params: Current params, forwarded to the inner optimizer.
-      weight: Items (tokens, samples) behind ``updates``; a scalar, traced or
-        not. Required with ``terms`` and ``grad_reduction="sum"``; left out,
-        1 (optax's uniform mean of micro-batch means), with a warning once.
+      weight: The count the micro-batch's loss divides by, a scalar, traced
+        or not: valid tokens for a token mean, rows for a mean of per-row
+        means, rows times length for a mean over all positions (with
+        ``grad_reduction="sum"``, the items its summed loss covers). A loss
+        divided by a constant or not at all is exact with
+        ``grad_reduction="window_mean"``, where ``weight`` only counts items
+        (default 1). Required with ``terms`` and ``grad_reduction="sum"``;
+        left out, 1 (optax's uniform mean), with a warning once.
       end_window: Optional bool scalar, traced or not: end the window with this
         micro-batch even if it holds fewer than ``k`` micro-batches.
       loss: Optional loss of the micro-batch, reduced like its gradient; the
