@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from optax_accum._core import _placement
+from optax_accum._core._state import StoredNode
 from optax_accum._layouts import ONE_SUM, Layout, register, saved_as, to_sum
 
 
@@ -22,12 +23,12 @@ from optax_accum._layouts import ONE_SUM, Layout, register, saved_as, to_sum
   jax.tree_util.register_dataclass, data_fields=["leaves"], meta_fields=["treedef"]
 )
 @dataclasses.dataclass(frozen=True)
-class Flat:
+class Flat(StoredNode):
   """The sums' leaves in tree order, and the tree they come from."""
 
   leaves: tuple[Any, ...]
   treedef: Any
-  describes: ClassVar[str] = "sums stored as a flat tuple (tests/flat_layout.py)"
+  contents: ClassVar[str] = "sums stored as a flat tuple (tests/flat_layout.py)"
 
 
 @register

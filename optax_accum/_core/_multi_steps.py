@@ -28,6 +28,7 @@ from optax_accum._core._state import (
   NonFinitePolicy,
   ShouldSkipUpdateFn,
   check_not_holding,
+  check_one_sum,
   check_single_accumulation,
 )
 from optax_accum._core._transitions import (
@@ -55,16 +56,6 @@ def _check_optimizer(opt: Any) -> None:
   if not (hasattr(opt, "init") and hasattr(opt, "update")):
     raise ValueError(
       f"`opt` must be an optax.GradientTransformation, got {type(opt).__name__}."
-    )
-
-
-def _check_one_sum(state: MultiStepsState) -> None:
-  """Raises ``ValueError`` unless ``state``'s sums are one sum."""
-  kind = getattr(state.acc_grads, "describes", None)  # A stored layout's node.
-  if kind is not None:
-    raise ValueError(
-      f"`state` holds {kind}: MultiSteps.update takes one sum. Convert it with "
-      "optax_accum.relayout(state, opt.init(params))."
     )
 
 
@@ -384,7 +375,7 @@ class MultiSteps(_OwnTransformation):
     if weight is None:
       self._warn_unweighted()
     _reduction.check_replicas(self.config.axis_name, weight)
-    _check_one_sum(state)
+    check_one_sum(state.acc_grads, "MultiSteps.update")
     reduction = _reduction.policy(self.config.axis_name)
     added, counted = add_micro_batch(
       self.config,

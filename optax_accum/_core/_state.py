@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,23 @@ WINDOW_WEIGHT = "window_weight"
 #: Extra argument the inner optimizer receives at the end of a window: how many
 #: micro-batches the window accumulated.
 WINDOW_MICRO_STEPS = "window_micro_steps"
+
+
+class StoredNode:
+  """The base of a layout's stored node (``PerReplica``, ``Packed``): sums
+  that are not one sum. A node is recognised by its type, never by a field's
+  name, so params with a field of that name are never taken for one."""
+
+  contents: ClassVar[str]  # What the node holds, for error messages.
+
+
+def check_one_sum(acc: Any, where: str) -> None:
+  """Raises ``ValueError`` unless ``acc`` is one sum (no stored node)."""
+  if isinstance(acc, StoredNode):
+    raise ValueError(
+      f"`state` holds {acc.contents}: {where} takes one sum. Convert it with "
+      "optax_accum.relayout(state, opt.init(params))."
+    )
 
 
 class MultiStepsState(NamedTuple):

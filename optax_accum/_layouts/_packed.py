@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_accum._core import _backend
+from optax_accum._core._state import StoredNode
 from optax_accum._layouts._protocol import (
   Layout,
   field,
@@ -46,7 +47,7 @@ class Packing(NamedTuple):
   meta_fields=["packing"],
 )
 @dataclasses.dataclass(frozen=True)
-class Packed:
+class Packed(StoredNode):
   """Packed sums, as checkpoints written before packing was removed hold them:
   ``groups`` (one flat buffer per group, its leaves concatenated in tree order)
   and ``rest`` (the other leaves, in tree order). Only restored
@@ -55,7 +56,7 @@ class Packed:
   groups: tuple[Any, ...]
   rest: tuple[Any, ...]
   packing: Packing
-  describes: ClassVar[str] = (
+  contents: ClassVar[str] = (
     "packed sums (restored from a checkpoint written before packing was removed)"
   )
 

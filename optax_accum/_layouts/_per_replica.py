@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from optax_accum._core import _checks, _placement, _reduction, _window
 from optax_accum._core._checks import axes as _axes
 from optax_accum._core._reduction import AxisName
-from optax_accum._core._state import MultiStepsState
+from optax_accum._core._state import MultiStepsState, StoredNode
 from optax_accum._core._window import Names
 from optax_accum._layouts._protocol import (
   Body,
@@ -49,13 +49,13 @@ from optax_accum._layouts._protocol import (
   jax.tree_util.register_dataclass, data_fields=["sums"], meta_fields=["axes"]
 )
 @dataclasses.dataclass(frozen=True)
-class PerReplica:
+class PerReplica(StoredNode):
   """Per-replica partial sums: ``sums`` laid out as one sum, each leaf with
   a leading axis of replicas, split over the mesh axes ``axes``."""
 
   sums: Any
   axes: tuple[str, ...]
-  describes: ClassVar[str] = (
+  contents: ClassVar[str] = (
     "per-replica partial sums (a train step's state on a mesh, from step.init)"
   )
 

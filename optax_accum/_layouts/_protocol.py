@@ -285,8 +285,25 @@ def resume_target(state: MultiStepsState, saved: Any) -> MultiStepsState:
     state = state._replace(held=held)
   acc = field(saved, "acc_grads")
   shapes = jax.tree.map(_shape, sum_shapes(state.acc_grads))
-  kind = next((kind for kind in _KINDS if kind.saved_in(acc)), Layout)
+  if _paths(acc) == _paths(shapes):  # The params' own tree: one sum, whatever its keys.
+    kind: type[Layout] = Layout
+  else:
+    kind = next((kind for kind in _KINDS if kind.saved_in(acc)), Layout)
   return state._replace(acc_grads=kind.restore_target(shapes, acc, state.acc_grads))
+
+
+def _paths(tree: Any) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+  """``tree``'s leaves as key names and shapes, sorted: the same for a node and
+  orbax's metadata of it (a dict for a ``NamedTuple`` or a dataclass)."""
+
+  def name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+      if hasattr(key, attr):
+        return str(getattr(key, attr))
+    return str(key)
+
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_array)[0]
+  return sorted((tuple(map(name, path)), np.shape(x)) for path, x in flat)
 
 
 def saved_as(
