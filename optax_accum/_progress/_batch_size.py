@@ -1,10 +1,11 @@
-r"""A window size that follows the gradient noise scale (issue 62).
+r"""A window size that follows the gradient noise scale (issues 62, 69, 71).
 
 :class:`WindowController` decides where each window ends from the smoothed,
 token-weighted :math:`B_\text{simple}` that ``MultiSteps(noise_scale=True)``
-measures (:func:`optax_accum.smooth_noise_scale`). It runs on the host: its
-decisions are Python numbers, and it reads one scalar a window, of a window
-finished before, so no micro-step waits for the device.
+measures (:func:`optax_accum.smooth_noise_scale`) and from the spread of the
+windows' measurements. It runs on the host: its decisions are Python numbers,
+and it reads one small array a window, of a window finished before, so no
+micro-step waits for the device.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -21,30 +23,99 @@ import numpy as np
 from optax_accum._progress._noise_scale import NoiseScaleEMA, smooth_noise_scale
 
 
+class NoiseScaleSpread(NamedTuple):
+  """The spread of the windows' measurements, beside :class:`NoiseScaleEMA`.
+
+  Attributes:
+    squared_norm: float32 ``[]``. Moving average of the squares of
+      :math:`|\\mu|^2`'s window estimates (the same weights as the average).
+    trace: float32 ``[]``. Likewise for :math:`\\operatorname{tr}\\Sigma`'s.
+    weights: float32 ``[]``. The sum of the squared weights of the windows
+      averaged: ``total**2 / weights`` is their effective number.
+  """
+
+  squared_norm: jax.Array
+  trace: jax.Array
+  weights: jax.Array
+
+
 class WindowControllerState(NamedTuple):
   """State of a :class:`WindowController`: save it beside the optimizer state.
 
   Attributes:
     ema: :class:`NoiseScaleEMA`, float32 ``[]`` each, where the measurements
       live (on the device). The moving averages so far.
-    b_simple: float32 ``[]``, on the device. The smoothed :math:`B_\\text{simple}`
-      after the window that ended last: read when the next window ends.
+    reading: float32 ``[3]``, on the device. After the window that ended
+      last: the smoothed :math:`B_\\text{simple}`, and its lower and upper
+      bounds from the windows' spread (0 and inf where they say nothing). Read
+      when the next window ends.
     estimate: float64 ``[]``, host. The smoothed :math:`B_\\text{simple}` read
-      last, the one ``target`` comes from (0 before any).
-    target: float64 ``[]``, host. The items at which this window ends.
+      last (0 before any).
+    target: float64 ``[]``, host. The items at which this window ends: a
+      rung of the ladder ``min_weight * growth**j`` (or ``max_weight``).
     weight: float64 ``[]``, host. Items in this window so far.
     micro_batches: int64 ``[]``, host. Micro-batches in this window so far.
+    spread: :class:`NoiseScaleSpread`, float32 ``[]`` each, on the device.
+    bounds: float64 ``[2]``, host. The bounds read last (0 and inf before any).
+    streak: int64 ``[]``, host. Windows in a row, since the target last
+      changed, whose bounds asked for the next rung (> 0) or the one below
+      (< 0).
   """
 
   ema: NoiseScaleEMA
-  b_simple: jax.Array
+  reading: jax.Array
   estimate: np.ndarray
   target: np.ndarray
   weight: np.ndarray
   micro_batches: np.ndarray
+  spread: NoiseScaleSpread
+  bounds: np.ndarray
+  streak: np.ndarray
 
 
-_smooth = jax.jit(smooth_noise_scale)
+def _measure(
+  measured: dict[str, Any],
+  ema: NoiseScaleEMA,
+  spread: NoiseScaleSpread,
+  decay: jax.Array,
+  z: jax.Array,
+) -> tuple[jax.Array, NoiseScaleEMA, NoiseScaleSpread]:
+  """Adds a window's measurement; the smoothed ratio and its bounds.
+
+  The bounds take each moving average's standard error from the windows'
+  spread, as for independent windows (``var * sum(w**2) / sum(w)**2``), with
+  the sample variance's ``n / (n - 1)``; :math:`|\\mu|^2` at most its upper
+  bound, the trace at least its lower one, and the other way round."""
+  b, new = smooth_noise_scale(measured, ema, decay=decay)
+  parts = [jnp.asarray(measured[k], jnp.float32) for k in ("squared_norm", "trace")]
+  counts = (jnp.asarray(measured["units"]) >= 2) & jnp.isfinite(parts[0] + parts[1])
+  d = jnp.where(counts, decay, jnp.float32(1))
+  squares = [jnp.where(counts, jnp.square(x), jnp.float32(0)) for x in parts]
+  spread = NoiseScaleSpread(
+    d * spread.squared_norm + (1 - d) * squares[0],
+    d * spread.trace + (1 - d) * squares[1],
+    jnp.where(counts, d * d * spread.weights + (1 - d) ** 2, spread.weights),
+  )
+  total = jnp.where(new.total > 0, new.total, jnp.float32(1))
+  n = jnp.square(total) / jnp.where(spread.weights > 0, spread.weights, jnp.float32(1))
+  enough = (new.total > 0) & (n >= 1.5)  # One window has no spread.
+  share = spread.weights / jnp.square(total) * n / jnp.maximum(n - 1, jnp.float32(1))
+
+  def interval(mean: jax.Array, square: jax.Array) -> tuple[jax.Array, jax.Array]:
+    mean = mean / total
+    variance = jnp.maximum(square / total - jnp.square(mean), jnp.float32(0))
+    error = z * jnp.sqrt(variance * share)
+    return mean - error, mean + error
+
+  s_low, s_high = interval(new.squared_norm, spread.squared_norm)
+  t_low, t_high = interval(new.trace, spread.trace)
+  inf = jnp.float32(jnp.inf)
+  low = jnp.where(enough & (s_high > 0) & (t_low > 0), t_low / s_high, jnp.float32(0))
+  high = jnp.where(enough & (s_low > 0), t_high / jnp.where(s_low > 0, s_low, 1), inf)
+  return jnp.stack([b, low, high]), new, spread
+
+
+_measured = jax.jit(_measure)
 
 
 def _host(value: Any, dtype: Any = np.float64) -> np.ndarray:
@@ -52,21 +123,23 @@ def _host(value: Any, dtype: Any = np.float64) -> np.ndarray:
   return np.array(value, dtype)
 
 
-def _read(x: Any) -> float:
-  """A replicated scalar's value, from this process's own copy."""
+def _read(x: Any) -> np.ndarray:
+  """A replicated array's value, from this process's own copy."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
     x = x.addressable_shards[0].data
-  return float(jax.device_get(x))
+  return np.asarray(jax.device_get(x), np.float64)
 
 
-def _placed(ema: NoiseScaleEMA, like: Any) -> NoiseScaleEMA:
-  """``ema`` on the devices of the measurement ``like`` (a copy between
-  devices where they differ, never through the host)."""
-  if not isinstance(like, jax.Array) or not isinstance(ema.trace, jax.Array):
-    return ema
-  if ema.trace.sharding == like.sharding:
-    return ema
-  return NoiseScaleEMA(*jax.device_put(tuple(ema), like.sharding))
+def _placed(tree: Any, like: Any) -> Any:
+  """``tree`` (a NamedTuple of arrays) on the devices of the measurement
+  ``like`` (a copy between devices where they differ, never through the
+  host)."""
+  first = tree[0]
+  if not isinstance(like, jax.Array) or not isinstance(first, jax.Array):
+    return tree
+  if first.sharding == like.sharding:
+    return tree
+  return type(tree)(*jax.device_put(tuple(tree), like.sharding))
 
 
 def _positive(name: str, value: Any) -> float:
@@ -78,65 +151,105 @@ def _positive(name: str, value: Any) -> float:
   return number
 
 
+def _count(name: str, value: Any, least: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise ValueError(f"`{name}` must be an integer >= {least}, got {value!r}.")
+  if int(value) < least:
+    raise ValueError(f"`{name}` must be an integer >= {least}, got {value!r}.")
+  return int(value)
+
+
+_NO_NOISE = (
+  "`metrics` hold no noise measurement (`metrics['noise_scale']` is {found}): "
+  "the controller sizes windows from it. Build the optimizer given to "
+  "`make_train_step` (or the one whose state `get_last_window` reads) as "
+  "`MultiSteps(..., noise_scale=True)`."
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class WindowController:
-  r"""Ends each window at the smoothed noise scale, between two bounds.
+  r"""Ends each window at a rung of doublings that the noise scale earns.
 
-  The rule: a window ends at the first micro-batch with which it holds at
-  least ``target`` items,
+  The target, the items at which a window ends, is a rung of the ladder
+  :math:`w_\mathrm{min} g^j` (``g`` is ``growth``, 2 by default; the top rung
+  ``max_weight``). It moves one rung at a time, and only on evidence: with
+  :math:`[\hat B_\mathrm{low}, \hat B_\mathrm{high}]` the bounds on the
+  smoothed :math:`B_\mathrm{simple}` from the spread of the windows'
+  measurements (``confidence`` standard errors each side, :math:`s` the
+  ``scale``), a window asks for the next rung :math:`T_+` where
 
   .. math::
-    T_n = \min(\max(s \hat B, w_\mathrm{min}),\ w_\mathrm{max},\ g T_{n-1})
+    s \hat B_\mathrm{low} \ge \sqrt{T T_+}
 
-  (``s`` is ``scale``, ``g`` ``growth``, ``w`` the bounds ``min_weight`` and
-  ``max_weight``, :math:`\hat B` the smoothed :math:`B_\mathrm{simple}`),
+  (the next rung is nearer, on a log scale, to the target the noise scale
+  gives than this one), and for the rung below :math:`T_-` where
+  :math:`s \hat B_\mathrm{high} \le \sqrt{T T_-}`. The target moves after
+  ``patience`` windows in a row ask the same, counted since it last moved:
+  so it changes at most once every ``patience`` windows. An estimate that
+  says nothing is no evidence: before two windows are measured, while the
+  smoothed :math:`|\mu|^2` is not above 0 within its error (the noise scale
+  reads inf, as it does while windows are small or on a plateau), or while the
+  trace is not. With a constant :math:`B_\mathrm{simple}` the target settles
+  on the rung nearest :math:`s B_\mathrm{simple}` (``tests/
+  test_controller_settles.py``): within :math:`\sqrt g` of it, and on it
+  where it is a rung.
 
-  with :math:`\hat B_\text{simple}` the moving averages' ratio
-  (:func:`smooth_noise_scale`, ``decay`` per window) over the windows that
-  ended before the last one: 0 (no measurement yet, or a negative one) gives
-  ``min_weight``, inf (the noise swamps the signal) the upper bound.
-  ``scale = 1`` trains at :math:`B_\text{simple}`, where McCandlish et al.
-  (2018) find a batch spends about twice the fewest possible steps and twice
-  the fewest items (:math:`B_\text{simple}` estimates their critical batch
-  size): larger windows save updates, smaller ones items. ``growth = 2``
-  lets the window at most double from one window to the next, as the
-  batch-size warmup of Merrill et al. (2025) doubles its batch: a small
-  window measures :math:`|\mu|^2` poorly (``docs/noise_scale.md``), and a
-  window grows only as fast as its measurement earns. With ``grow_only`` the
-  target never falls (their warmup's batch only grows).
+  ``scale = 0.5``: :math:`B_\text{simple}` estimates McCandlish et al.'s
+  (2018) critical batch size, but issue 71 measured it at 2 to 9 times the
+  critical batch size found by branching runs of the benchmark's LM, and
+  ``scale = 0.5`` with ``min_weight`` at the reference window reached the
+  lowest loss of the controller's settings there with 38% of the small
+  window's updates (``docs/noise_scale.md``). ``patience = 3`` and
+  ``confidence = 1``: ``tests/test_controller_settles.py`` measured that
+  these never left the right rung over 10 seeds of a constant
+  :math:`B_\mathrm{simple}`, and reached it in about 20 windows from 8 rungs
+  below. Each window holds at least ``min_micro_batches`` (2) micro-batches:
+  a window of one unit measures nothing, and the target could never leave a
+  ``min_weight`` that one micro-batch holds.
 
-  The estimate is one window old because a window's measurement is read
-  (``float``) only when the window after it ends: by then the device has
-  finished it, and no micro-step waits for it. Where it runs:
+  The bounds are one window old because a window's measurement is read only
+  when the window after it ends: by then the device has finished it, and no
+  micro-step waits for it. Where it runs:
 
   - **Streaming** (``make_train_step``) and ``MultiSteps.update`` in your
     loop (``every_k_schedule="end_window"``): :meth:`add` each micro-batch's
     items (a host number); it says whether to end the window. Then
-    :meth:`end` with the call's metrics, or
-    ``get_last_window(opt_state)``.
+    :meth:`end` with the call's metrics, or ``get_last_window(opt_state)``.
   - **Scan mode**: :meth:`choose_k` picks the window's micro-batches from
     :meth:`ks`, ``k_min``, ``k_max`` and the powers of two between
-    (``k_min = ceil(min_weight / per_micro_batch)``, ``k_max =
-    floor(max_weight / per_micro_batch)``): a step compiles at most
+    (``k_min = max(min_micro_batches, ceil(min_weight / per_micro_batch))``,
+    ``k_max = floor(max_weight / per_micro_batch)``): a step compiles at most
     ``floor(log2(k_max / k_min)) + 2`` window programs.
   - **Across replicas** (``axis_name``): count the items of all replicas;
-    each replica's micro-batch is a unit of the measurement.
+    each replica's micro-batch is a unit of the measurement
+    (``min_micro_batches=1`` is then enough).
 
   The state is a small pytree of arrays (:class:`WindowControllerState`):
   checkpoint it beside the optimizer state, and a run resumed from both
-  ends the same windows with the same params.
+  ends the same windows with the same params. A checkpoint of the state
+  before issue 71 (no ``spread``) restores without a target, through
+  :meth:`restore`.
 
   Attributes:
-    min_weight: The smallest target, in items (tokens, samples).
+    min_weight: The first window's target and the ladder's foot, in items
+      (tokens, samples): the reference window of ``adamw_in_items`` is a good
+      one.
     max_weight: The largest target, in items.
     scale: The target's multiple of :math:`B_\text{simple}`.
     decay: The moving averages' weight of the past per window.
-    growth: The most the target grows from one window to the next (a factor).
+    growth: The ladder's factor from one rung to the next (> 1).
     grow_only: Whether the target never falls.
+    patience: Windows in a row whose bounds must ask for a rung before the
+      target moves to it; the fewest windows between two moves.
+    confidence: The bounds' standard errors each side of the estimate.
+    min_micro_batches: The fewest micro-batches a window holds (2: a window's
+      measurement needs two units).
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum
-    >>> ctl = optax_accum.WindowController(min_weight=16, max_weight=256)
+    >>> ctl = optax_accum.WindowController(min_weight=16, max_weight=256,
+    ...                                    patience=1)
     >>> state = ctl.init()
     >>> state, end = ctl.add(state, 10)
     >>> end
@@ -144,13 +257,15 @@ class WindowController:
     >>> state, end = ctl.add(state, 10)  # 20 >= 16 items: end the window.
     >>> end
     True
-    >>> noise = {"squared_norm": jnp.float32(1.0), "trace": jnp.float32(64.0),
-    ...          "units": jnp.float32(4.0)}
-    >>> state, record = ctl.end(state, {"noise_scale": noise})
+    >>> def noise(norm):
+    ...   return {"noise_scale": {"squared_norm": jnp.float32(norm),
+    ...           "trace": jnp.float32(64.0), "units": jnp.float32(4.0)}}
+    >>> state, record = ctl.end(state, noise(1.0))
     >>> record["weight"], record["micro_batches"]
     (20.0, 2)
-    >>> state, record = ctl.end(ctl.add(state, 16)[0], {"noise_scale": noise})
-    >>> float(state.target)  # B_simple 64 from the first window; at most 2 x 16.
+    >>> for norm in (0.9, 1.1, 1.0):  # B_simple about 64 items, 0.5 x 64 = 32.
+    ...   state, record = ctl.end(ctl.add(ctl.add(state, 16)[0], 16)[0], noise(norm))
+    >>> float(state.target)  # One rung up from 16, and no further.
     32.0
     >>> ctl.ks(per_micro_batch=8), ctl.choose_k(state, per_micro_batch=8)
     ((2, 4, 8, 16, 32), 4)
@@ -163,10 +278,13 @@ class WindowController:
 
   min_weight: float
   max_weight: float
-  scale: float = 1.0
+  scale: float = 0.5
   decay: float = 0.9
   growth: float = 2.0
   grow_only: bool = False
+  patience: int = 3
+  confidence: float = 1.0
+  min_micro_batches: int = 2
 
   def __post_init__(self) -> None:
     low = _positive("min_weight", self.min_weight)
@@ -177,44 +295,98 @@ class WindowController:
         f"{self.max_weight!r}."
       )
     _positive("scale", self.scale)
-    if not _positive("growth", self.growth) >= 1:
-      raise ValueError(f"`growth` must be a number >= 1, got {self.growth!r}.")
+    if not _positive("growth", self.growth) > 1:
+      raise ValueError(f"`growth` must be a number > 1, got {self.growth!r}.")
     if not (isinstance(self.decay, numbers.Real) and 0 <= self.decay < 1):
       raise ValueError(f"`decay` must be a number in [0, 1), got {self.decay!r}.")
+    _count("patience", self.patience, 1)
+    _count("min_micro_batches", self.min_micro_batches, 1)
+    if isinstance(self.confidence, bool) or not (
+      isinstance(self.confidence, numbers.Real)
+      and math.isfinite(self.confidence)
+      and self.confidence >= 0
+    ):
+      raise ValueError(
+        f"`confidence` must be a finite number >= 0, got {self.confidence!r}."
+      )
 
   def init(self) -> WindowControllerState:
     """No measurement yet: the first windows end at ``min_weight``."""
     zero = jnp.zeros([], jnp.float32)
     return WindowControllerState(
       ema=NoiseScaleEMA(zero, zero + 0, zero + 0),
-      b_simple=zero + 0,
+      reading=jnp.array([0.0, 0.0, np.inf], jnp.float32),
       estimate=_host(0.0),
       target=_host(self.min_weight),
       weight=_host(0.0),
       micro_batches=_host(0, np.int64),
+      spread=NoiseScaleSpread(zero + 0, zero + 0, zero + 0),
+      bounds=np.array([0.0, np.inf]),
+      streak=_host(0, np.int64),
+    )
+
+  def restore(self, tree: Any) -> WindowControllerState:
+    """A state from a checkpoint restored without a target (orbax gives a
+    dict of the fields by name), older layouts included.
+
+    A checkpoint from before issue 71 (``b_simple`` and no ``spread``) keeps
+    its target and its window so far; the measurement starts again (the new
+    bounds need the spread the old state did not keep), so the target holds
+    until the windows after the restore earn a move.
+
+    Raises:
+      ValueError: If ``tree`` is not a controller state.
+    """
+    if isinstance(tree, WindowControllerState):
+      return tree
+    if not isinstance(tree, Mapping) or "target" not in tree:
+      raise ValueError(
+        "`tree` must be a WindowControllerState or its fields by name (a "
+        f"checkpoint restored without a target), got {type(tree).__name__}."
+      )
+    fresh = self.init()
+    host: dict[str, Any] = {
+      name: _host(tree[name], getattr(fresh, name).dtype)
+      for name in ("estimate", "target", "weight", "micro_batches")
+    }
+    if "spread" not in tree:  # Before issue 71: the measurement restarts.
+      return fresh._replace(**host)
+    return WindowControllerState(
+      ema=NoiseScaleEMA(**{k: jnp.asarray(v) for k, v in tree["ema"].items()}),
+      reading=jnp.asarray(tree["reading"]),
+      spread=NoiseScaleSpread(**{k: jnp.asarray(v) for k, v in tree["spread"].items()}),
+      bounds=_host(tree["bounds"]),
+      streak=_host(tree["streak"], np.int64),
+      **host,
     )
 
   def add(
     self, state: WindowControllerState, weight: float, micro_batches: int = 1
   ) -> tuple[WindowControllerState, bool]:
     """Counts a micro-batch's items (a host number; in scan mode the window's,
-    with its ``micro_batches``); returns whether the window ends with it.
+    with its ``micro_batches``); returns whether the window ends with it: at
+    ``target`` items and at least ``min_micro_batches`` micro-batches.
 
     Raises:
       ValueError: If ``weight`` is a JAX array (reading it would wait for the
-        device) or negative.
+        device), not a finite number >= 0 (``MultiSteps`` drops a micro-batch
+        of weight inf or NaN: it adds no items), or ``micro_batches`` not an
+        integer >= 1.
     """
     if isinstance(weight, jax.Array):
       raise ValueError(
         "`weight` must be a host number (count the items from the batch before "
         "it goes to the device): reading a JAX array waits for the device."
       )
-    if not float(weight) >= 0:
-      raise ValueError(f"`weight` must be a number >= 0, got {weight!r}.")
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+      raise ValueError(f"`weight` must be a finite number >= 0, got {weight!r}.")
+    if not (math.isfinite(float(weight)) and float(weight) >= 0):
+      raise ValueError(f"`weight` must be a finite number >= 0, got {weight!r}.")
+    _count("micro_batches", micro_batches, 1)
     total = _host(state.weight + float(weight))
-    count = _host(state.micro_batches + micro_batches, np.int64)
+    count = _host(state.micro_batches + int(micro_batches), np.int64)
     state = state._replace(weight=total, micro_batches=count)
-    return state, bool(total >= state.target)
+    return state, bool(total >= state.target and count >= self.min_micro_batches)
 
   def end(
     self, state: WindowControllerState, metrics: dict[str, Any]
@@ -229,43 +401,89 @@ class WindowController:
 
     Returns:
       The new state, and the window's record: ``b_simple`` (the estimate its
-      target came from), ``target``, ``weight`` and ``micro_batches`` (host
-      numbers), and ``learning_rate`` as given (``None`` without one).
+      target came from), ``b_low`` and ``b_high`` (its bounds), ``target``,
+      ``weight`` and ``micro_batches`` (host numbers), and ``learning_rate``
+      as given (``None`` without one).
+
+    Raises:
+      ValueError: If ``metrics`` hold no noise measurement (an optimizer
+        built without ``noise_scale=True``).
     """
-    measured = metrics["noise_scale"]
-    estimate = _read(state.b_simple)  # The window before: finished.
+    measured = metrics.get("noise_scale") if isinstance(metrics, Mapping) else None
+    if not isinstance(measured, Mapping):
+      found = "absent" if measured is None and "noise_scale" not in metrics else None
+      raise ValueError(_NO_NOISE.format(found=found or repr(measured)))
+    missing = {"squared_norm", "trace", "units"} - set(measured)
+    if missing:
+      raise ValueError(
+        f"`metrics['noise_scale']` must hold squared_norm, trace and units, "
+        f"lacks {sorted(missing)}."
+      )
+    estimate, low, high = _read(state.reading)  # The window before: finished.
     ema = _placed(state.ema, measured["trace"])
-    b_simple, ema = _smooth(measured, ema, decay=np.float32(self.decay))
+    spread = _placed(state.spread, measured["trace"])
+    reading, ema, spread = _measured(
+      measured, ema, spread, np.float32(self.decay), np.float32(self.confidence)
+    )
     record = {
       "b_simple": float(state.estimate),
+      "b_low": float(state.bounds[0]),
+      "b_high": float(state.bounds[1]),
       "target": float(state.target),
       "weight": float(state.weight),
       "micro_batches": int(state.micro_batches),
       "learning_rate": metrics.get("learning_rate"),
     }
+    target, streak = self._step(low, high, float(state.target), int(state.streak))
     state = WindowControllerState(
       ema=ema,
-      b_simple=b_simple,
+      reading=reading,
       estimate=_host(estimate),
-      target=_host(self._target(estimate, float(state.target))),
+      target=_host(target),
       weight=_host(0.0),
       micro_batches=_host(0, np.int64),
+      spread=spread,
+      bounds=np.array([low, high]),
+      streak=_host(streak, np.int64),
     )
     return state, record
 
-  def _target(self, estimate: float, previous: float) -> float:
-    """The rule: ``scale * estimate`` within the bounds, at most ``growth``
-    times ``previous``, and never below it with ``grow_only``."""
-    high = min(float(self.max_weight), self.growth * previous)
-    wanted = self.scale * estimate if estimate > 0 else self.min_weight  # NaN too.
-    target = max(min(wanted, high), float(self.min_weight))
-    return max(target, previous) if self.grow_only else target
+  def rungs(self) -> tuple[float, ...]:
+    """The targets: ``min_weight * growth**j`` below ``max_weight``, and it."""
+    out, rung = [], float(self.min_weight)
+    while rung < self.max_weight * (1 - 1e-9):
+      out.append(rung)
+      rung *= self.growth
+    return (*out, float(self.max_weight))
+
+  def _step(
+    self, low: float, high: float, target: float, streak: int
+  ) -> tuple[float, int]:
+    """The rule on host numbers: the bounds' vote, the streak, the move."""
+    rungs = self.rungs()
+    j = min(range(len(rungs)), key=lambda i: abs(math.log(rungs[i] / target)))
+    up = j + 1 < len(rungs) and self.scale * low >= math.sqrt(rungs[j] * rungs[j + 1])
+    down = (
+      not self.grow_only
+      and j > 0
+      and self.scale * high <= math.sqrt(rungs[j] * rungs[j - 1])
+    )  # NaN bounds vote for neither.
+    if up:
+      streak = streak + 1 if streak > 0 else 1
+    elif down:
+      streak = streak - 1 if streak < 0 else -1
+    else:
+      streak = 0
+    if abs(streak) >= self.patience:
+      return rungs[j + (1 if streak > 0 else -1)], 0
+    return rungs[j], streak
 
   def ks(self, per_micro_batch: float) -> tuple[int, ...]:
     """Scan mode's window sizes for micro-batches of ``per_micro_batch``
-    items: ``k_min``, the powers of two between, and ``k_max``."""
+    items: ``k_min``, the powers of two between, and ``k_max`` (never fewer
+    than ``min_micro_batches``)."""
     per = _positive("per_micro_batch", per_micro_batch)
-    low = max(1, math.ceil(self.min_weight / per))
+    low = max(self.min_micro_batches, math.ceil(self.min_weight / per))
     high = max(low, math.floor(self.max_weight / per))
     powers = {2**j for j in range(high.bit_length() + 1) if low < 2**j < high}
     return tuple(sorted(powers | {low, high}))
