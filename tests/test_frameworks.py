@@ -156,11 +156,19 @@ def test_linen_train_state_refuses_what_would_be_silently_wrong():
   )
   with pytest.raises(ValueError, match=r"optax.MultiSteps, which ignores `weight`"):
     optax_state.apply_gradients(grads=grads, weight=3)
+  # Issue 69, item 3: a plain optimizer (k = 1) is Linen's own TrainState;
+  # tests/test_flax.py checks it bit for bit.
   plain = optax_accum.flax.TrainState.create(
     apply_fn=model.apply, params=params, tx=_adamw()
   )
-  with pytest.raises(ValueError, match=r"holds an optax_accum.MultiSteps"):
-    plain.apply_gradients(grads=grads, weight=3)
+  linen = train_state.TrainState.create(
+    apply_fn=model.apply, params=params, tx=_adamw()
+  )
+  got, want = (
+    plain.apply_gradients(grads=grads, weight=3),
+    linen.apply_gradients(grads=grads),
+  )
+  assert rel(got.params, want.params) == 0.0 and int(got.step) == 1
 
 
 class _DropoutDense(nn.Module):

@@ -10,7 +10,12 @@ import optax
 from flax.training import train_state
 from jax.typing import ArrayLike
 
-from optax_accum._frameworks._contract import check_accumulates, check_update
+from optax_accum._frameworks._contract import (
+  check_accumulates,
+  check_weight,
+  find_accumulator,
+  plain_update,
+)
 
 
 class TrainState(train_state.TrainState):
@@ -20,6 +25,13 @@ class TrainState(train_state.TrainState):
   (Linen's own ``apply_gradients`` has no way to pass it, and without it a
   window is the uniform mean of micro-batch means). ``weight`` is required;
   ``weight=1`` asks for the uniform mean explicitly.
+
+  A plain optax optimizer as ``tx`` (no accumulation, ``k = 1``) trains as
+  Linen's own ``TrainState`` does, bit for bit, with the same ``opt_state``:
+  each call is a window of one micro-batch, so ``weight`` changes nothing,
+  except that a zero, negative, NaN or inf ``weight`` drops the micro-batch
+  (no update, ``step`` unchanged), as ``MultiSteps(tx, 1)`` would. ``weight``
+  is optional there.
 
   ``step`` counts optimizer updates (windows), not calls: Linen's counts every
   micro-batch. :attr:`micro_step` counts calls, for keys that differ per
@@ -46,10 +58,14 @@ class TrainState(train_state.TrainState):
 
     The count to derive per-micro-batch keys from,
     ``jax.random.fold_in(rng, state.micro_step)``: ``step`` is the same for
-    every micro-batch of a window, so keys from it repeat ``k`` times.
+    every micro-batch of a window, so keys from it repeat ``k`` times. With a
+    plain optax optimizer as ``tx`` it is ``step`` (a dropped micro-batch is
+    not counted, so the next one draws its key again).
     """
     where = "optax_accum.flax.TrainState.micro_step"
-    state = check_accumulates(self.opt_state, where=where)
+    state = find_accumulator(self.opt_state, where=where)
+    if state is None:  # A plain optimizer: one micro-batch per update.
+      return jnp.asarray(self.step, jnp.int32)
     return jnp.asarray(state.micro_batches_seen)
 
   def apply_gradients(
@@ -65,7 +81,8 @@ class TrainState(train_state.TrainState):
 
     Args:
       grads: The micro-batch's gradient, like ``params``.
-      weight: Items behind ``grads`` (required; see the class).
+      weight: Items behind ``grads`` (required with a :class:`MultiSteps`;
+        optional with a plain optimizer; see the class).
       loss: Optional micro-batch loss: the window's loss is then kept in the
         optimizer state (:func:`optax_accum.get_last_window`) and passed to
         the inner optimizer as ``value``.
@@ -76,10 +93,31 @@ class TrainState(train_state.TrainState):
       The new state; ``step`` is one more only if an update was applied.
     """
     where = "optax_accum.flax.TrainState.apply_gradients"
-    check_update(self.opt_state, weight, where=where)
+    plain = find_accumulator(self.opt_state, where=where) is None
+    if plain and weight is None and loss is None and end_window is None:
+      return super().apply_gradients(grads=grads, **kwargs)  # Linen's own.
+    if not plain:
+      check_weight(weight, where=where)
     if isinstance(grads, dict) and "_overwrite_with_gradient" in grads:
       raise ValueError(
         f"{where} does not support Flax's `_overwrite_with_gradient` collection."
+      )
+    if plain:
+      _, opt_state, params, updated = plain_update(
+        self.tx,
+        grads,
+        self.opt_state,
+        self.params,
+        weight=weight,
+        loss=loss,
+        end_window=end_window,
+        extra_args={},
+      )
+      return self.replace(
+        step=jnp.where(updated, self.step + 1, self.step),  # Linen's type.
+        params=params,
+        opt_state=opt_state,
+        **kwargs,
       )
     updates, opt_state = self.tx.update(
       grads,

@@ -9,7 +9,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import ArrayLike
 
-from optax_accum._frameworks._contract import check_accumulates, check_weight
+from optax_accum._frameworks._contract import (
+  check_accumulates,
+  check_weight,
+  find_accumulator,
+  plain_update,
+)
 
 
 class Optimizer(nnx.Optimizer):
@@ -24,6 +29,13 @@ class Optimizer(nnx.Optimizer):
   keys that differ per micro-batch. With ``loss=``, the finished window's
   loss stays readable after the update:
   ``optax_accum.get_last_window(optimizer.opt_state)``.
+
+  A plain optax optimizer (no accumulation, ``k = 1``) trains as
+  ``nnx.Optimizer`` does, bit for bit, with the same ``opt_state``: each call
+  is a window of one micro-batch, so ``weight`` changes nothing, except that
+  a zero, negative, NaN or inf ``weight`` drops the micro-batch (no update,
+  ``step`` unchanged), as ``MultiSteps(tx, 1)`` would. ``weight`` is optional
+  there.
 
   Examples:
     >>> import jax.numpy as jnp, optax, optax_accum, optax_accum.flax
@@ -40,7 +52,7 @@ class Optimizer(nnx.Optimizer):
 
   def __init__(self, model: Any, tx: Any, *, wrt: Any, **kwargs: Any):
     super().__init__(model, tx, wrt=wrt, **kwargs)
-    check_accumulates(self.opt_state, where="optax_accum.flax.Optimizer")
+    find_accumulator(self.opt_state, where="optax_accum.flax.Optimizer")
 
   @property
   def micro_step(self) -> jax.Array:
@@ -48,10 +60,13 @@ class Optimizer(nnx.Optimizer):
 
     The count to derive per-micro-batch keys from,
     ``jax.random.fold_in(rng, optimizer.micro_step)``: ``step`` is the same
-    for every micro-batch of a window.
+    for every micro-batch of a window. With a plain optax optimizer it is
+    ``step`` (a dropped micro-batch is not counted).
     """
     where = "optax_accum.flax.Optimizer.micro_step"
-    state = check_accumulates(self.opt_state, where=where)
+    state = find_accumulator(self.opt_state, where=where)
+    if state is None:  # A plain optimizer: one micro-batch per update.
+      return jnp.asarray(self.step[...], jnp.int32)
     return jnp.asarray(state.micro_batches_seen)
 
   def update(
@@ -70,7 +85,8 @@ class Optimizer(nnx.Optimizer):
     Args:
       model: The model, updated in place.
       grads: The micro-batch's gradient (``nnx.grad`` of the model).
-      weight: Items behind ``grads`` (required).
+      weight: Items behind ``grads`` (required with a :class:`MultiSteps`;
+        optional with a plain optimizer; see the class).
       loss: Optional micro-batch loss: kept as the window's loss and passed
         to the inner optimizer as ``value``.
       end_window: Optional bool: end the window with this micro-batch.
@@ -80,11 +96,43 @@ class Optimizer(nnx.Optimizer):
       The updates applied (zeros until the window ends).
     """
     where = "optax_accum.flax.Optimizer.update"
-    check_weight(weight, where=where)  # The state was checked when built.
+    if find_accumulator(self.opt_state, where=where) is None:
+      return self._update_plain(model, grads, weight, loss, end_window, kwargs)
+    check_weight(weight, where=where)
     step = self.step[...]
     updates = super().update(
       model, grads, weight=weight, loss=loss, end_window=end_window, **kwargs
     )
     updated = check_accumulates(self.opt_state, where=where).updated
     self.step[...] = step + jnp.asarray(updated).astype(step.dtype)
+    return updates
+
+  def _update_plain(
+    self,
+    model: Any,
+    grads: Any,
+    weight: ArrayLike | None,
+    loss: ArrayLike | None,
+    end_window: ArrayLike | None,
+    kwargs: dict[str, Any],
+  ) -> Any:
+    """``nnx.Optimizer.update`` for a plain optimizer, dropping a bad weight."""
+    if weight is None and loss is None and end_window is None:
+      return super().update(model, grads, **kwargs)  # nnx.Optimizer's own.
+    # As nnx.Optimizer.update, with the step in `plain_update`.
+    graph = self.graph
+    updates, opt_state, params, updated = plain_update(
+      self.tx,
+      nnx.as_pure(nnx.state(grads, self.wrt, graph=graph)),
+      nnx.as_pure(self.opt_state),
+      nnx.as_pure(nnx.state(model, self.wrt, graph=graph)),
+      weight=weight,
+      loss=loss,
+      end_window=end_window,
+      extra_args=nnx.as_pure(kwargs),
+    )
+    nnx.update(model, params)
+    nnx.update(self.opt_state, nnx.state(opt_state, graph=graph))
+    step = self.step[...]
+    self.step[...] = step + updated.astype(step.dtype)
     return updates
