@@ -53,7 +53,9 @@ def test_moments_decay_per_item():
   """Windows of twice the items decay the moments as two windows of the
   reference do: the half-lives count items."""
   g = _grads(1)[0]
-  adam = optax_accum.scale_by_adam_in_items(b1=0.8, b2=0.95, reference_weight=10)
+  adam = optax_accum.scale_by_adam_in_items(
+    b1=0.8, b2=0.95, reference_weight=10, nu_per_item=False
+  )
   _, big = _run(adam, [g] * 3, [20] * 3)
   _, small = _run(adam, [g] * 6, [10] * 6)
   for name in ("mu", "nu"):
@@ -61,6 +63,10 @@ def test_moments_decay_per_item():
       getattr(big, name)["w"], getattr(small, name)["w"], rtol=1e-6
     )
   np.testing.assert_allclose(np.exp(big.log_decay2), 0.95**6, rtol=1e-6)
+  # Per item (the default), nu holds kappa g^2: twice for windows of twice.
+  per_item = optax_accum.scale_by_adam_in_items(b1=0.8, b2=0.95, reference_weight=10)
+  _, big = _run(per_item, [g] * 3, [20] * 3)
+  np.testing.assert_allclose(big.nu["w"], 2 * small.nu["w"], rtol=1e-6)
 
 
 def test_learning_rate_rule():
@@ -111,3 +117,62 @@ def test_tiny_windows_and_narrow_dtypes():
   rule = optax_accum.scale_by_window_weight(reference_weight=2)
   u, _ = rule.update(g, rule.init(g), window_weight=8.0)
   assert u["w"].dtype == jnp.bfloat16
+
+
+D, SEEDS, REF = 64, 128, 4.0
+_CURVATURE = jnp.asarray(np.geomspace(0.01, 1.0, D), jnp.float32)
+
+
+def _quadratic_final_losses(sizes, budget, nu_per_item):
+  """A noisy quadratic, ``0.5 sum(h theta^2)``: a window of ``W`` items has
+  the gradient ``h theta + N(0, I / W)`` (per-item noise of variance 1), under
+  ``adamw_in_items`` with a warmup-cosine learning rate counted in items; the
+  final loss of each of ``SEEDS`` runs."""
+  schedule = optax.warmup_cosine_decay_schedule(
+    0.0, 0.02, 0.05 * budget / REF, budget / REF, end_value=0.002
+  )
+  lr = optax_accum.progress_schedule(schedule, unit="weight", per_update=REF)
+  opt = optax.inject_hyperparams(optax_accum.adamw_in_items)(
+    learning_rate=lr, weight_decay=0.0, reference_weight=REF, nu_per_item=nu_per_item
+  )
+  start = 3 * jax.random.normal(jax.random.key(0), (D,))
+
+  def run(key):
+    def body(carry, xs):
+      theta, state = carry
+      w, k = xs
+      g = _CURVATURE * theta + jax.random.normal(k, (D,)) / jnp.sqrt(w)
+      u, state = opt.update(g, state, theta, window_weight=w)
+      return (theta + u, state), None
+
+    keys = jax.random.split(key, len(sizes))
+    xs = (jnp.asarray(sizes, jnp.float32), keys)
+    (theta, _), _ = jax.lax.scan(body, (start, opt.init(start)), xs)
+    return 0.5 * jnp.sum(_CURVATURE * theta**2)
+
+  keys = jax.random.split(jax.random.key(1), SEEDS)
+  return np.asarray(jax.jit(jax.vmap(run))(keys))
+
+
+def test_a_change_of_window_costs_no_loss_with_the_second_moment_per_item():
+  """Issue 71: windows of 4 items, then of 8 from half the budget. With ``nu``
+  counted per update the switch ends above both fixed windows (its second
+  moment holds the old window's noise, twice the new one's, for about 1/(1 -
+  b2) windows); per item, at most at the small window's loss (paired seeds)."""
+  budget = 16000.0
+  small, large = [4.0] * int(budget / 4), [8.0] * int(budget / 8)
+  switch = small[: len(small) // 2] + large[len(large) // 2 :]
+  fixed = [_quadratic_final_losses(s, budget, True) for s in (small, large)]
+  for per_item, costs in ((False, True), (True, False)):
+    ended = _quadratic_final_losses(switch, budget, per_item)
+    for run in fixed:
+      gap = ended - run
+      error = gap.std() / np.sqrt(SEEDS)
+      if costs:
+        assert gap.mean() > 3 * error, (gap.mean(), error)  # The cost, measured.
+      else:
+        assert gap.mean() < 3 * error, (gap.mean(), error)
+  # A fixed window is the same either way: kappa cancels.
+  np.testing.assert_allclose(
+    _quadratic_final_losses(small, budget, False), fixed[0], rtol=1e-5
+  )
