@@ -646,9 +646,6 @@ def test_accumulator_misuse_is_refused_with_the_right_call():
       k=K,
       accumulation=optax_multisteps_loop,
     )
-  window_mean = optax_accum.MultiSteps(ADAMW, K, grad_reduction="window_mean")
-  with pytest.raises(ValueError, match=r"audit it with grad_reduction='mean'"):
-    optax_accum.audit(mean_loss, window_mean, params, batch, k=K)
 
 
 def test_optax_multisteps_inside_a_chain_is_refused_with_how_to_pass_it():

@@ -50,6 +50,7 @@ from optax_accum._audit._terms import (
   term_gradient_fn,
 )
 from optax_accum._audit._verdicts import Evidence, verdicts
+from optax_accum._audit._weighting import Counts, Weighting, combined, find
 from optax_accum._audit._windows import Windows, needs_probe, per_micro_step, windows
 from optax_accum._core import _backend, _checks
 from optax_accum._core._multi_steps import NO_WEIGHT
@@ -175,7 +176,12 @@ def audit(
   )
   check_loss_fn(setup.loss, params, micro[0][0])
   gradients = _gradients(setup, tolerance)
-  first = _first_batch(gradients, params, batches[0], micro[0], tolerance)
+  first = _first_batch(
+    gradients, params, batches[0], micro[0], tolerance, setup.declared
+  )
+  if first.weighting is not None:  # The rounding allowance: the right weighting.
+    resummed_fn = first.weighting.batch_gradient(gradients.one)
+    gradients = dataclasses.replace(gradients, resummed=resummed_fn)
   # Updates steps + 1 and steps + 2 (after the restart) reuse the first batches.
   reference, resummed = _whole_batch_runs(setup, gradients, params, batches, micro)
   run = _setup_run(setup, k, params, micro, reference)
@@ -192,7 +198,17 @@ def audit(
   chained = setup.probe is None
   terms = _terms_evidence(first, term_fit, tolerance)
   evidence = Evidence(
-    fit, probe, w, comparison, reference, run, steps, chained, terms, coupled
+    fit,
+    probe,
+    w,
+    comparison,
+    reference,
+    run,
+    steps,
+    chained,
+    terms,
+    coupled,
+    first.weighting,
   )
   names = leaf_names(params)
   report = _report(
@@ -244,8 +260,13 @@ def _gradients(setup: Setup, tolerance: float) -> _Gradients:
 
 
 def _coupling(first: _FirstBatch, tolerance: float) -> float | None:
-  """How far the whole batch's gradient is from its micro-batches'
-  token-weighted sum, where beyond ``tolerance``: the loss couples them."""
+  """Where the loss couples the micro-batches, how far the whole batch's
+  gradient is from them: from the nearest combination of their gradients
+  (with loss terms, from their terms' weighted sum), where beyond
+  ``tolerance``."""
+  if first.weighting is not None:
+    coupled = first.weighting.kind == "coupled"
+    return first.weighting.residual if coupled else None
   gap = optax.tree.norm(
     jax.tree.map(jnp.subtract, first.whole_grad, first.resummed_grad)
   )
@@ -286,13 +307,16 @@ class _FirstBatch:
     whole_grad: The whole batch's gradient.
     micro_grads: Each micro-batch's (mean-loss) gradient.
     tokens: Each micro-batch's weight.
-    resummed_grad: The micro-batch gradients' token-weighted mean: the whole
-      batch's gradient summed in another order.
+    resummed_grad: The micro-batch gradients weighted as the whole batch
+      weighs them (``weighting``; with loss terms, each term's weighted mean):
+      the whole batch's gradient summed in another order.
     uniform_grad: Their plain mean, what F1 applies.
     terms: With loss terms, each term's gradients and weights (then each
       micro-batch's gradient is that of the terms' sum, ``tokens`` the weights
       of the first term with weight, and the whole batch's the sum of each
       term's).
+    weighting: Without loss terms, how the whole batch weighs the
+      micro-batches' gradients.
   """
 
   params32: Any
@@ -302,6 +326,7 @@ class _FirstBatch:
   resummed_grad: Any
   uniform_grad: Any
   terms: TermsBatch | None = None
+  weighting: Weighting | None = None
 
 
 def _first_batch(
@@ -310,15 +335,21 @@ def _first_batch(
   batch: Any,
   window: Sequence[Any],
   tolerance: float,
+  declared: str = "weight",
 ) -> _FirstBatch:
   params32 = f32(params)
-  terms = None
+  terms = weighting = None
   if gradients.of_terms is None:
     whole_grad, _ = gradients.one(params32, batch)
     pairs = [gradients.one(params32, m) for m in window]
     micro_grads = [g for g, _ in pairs]
     tokens = [float(w) for _, w in pairs]
-    resummed_grad = recombined(micro_grads, tokens, params32)
+    counts = Counts.of(window, tokens)
+    weighting = find(whole_grad, micro_grads, counts, declared, tolerance)
+    if weighting.kind == "coupled":  # No combination: the loss's own weight.
+      resummed_grad = recombined(micro_grads, tokens, params32)
+    else:
+      resummed_grad = combined(micro_grads, weighting.coefficients, params32)
   else:  # Each micro-batch's gradient is that of the terms' sum.
     terms = measure(gradients.of_terms, gradients.names, params32, batch, window)
     whole_grad = summed(terms.reference(params32, tolerance))
@@ -333,7 +364,14 @@ def _first_batch(
   k = len(micro_grads)
   uniform_grad = jax.tree.map(lambda *g: sum(g) / k, *micro_grads)
   return _FirstBatch(
-    params32, whole_grad, micro_grads, tokens, resummed_grad, uniform_grad, terms
+    params32,
+    whole_grad,
+    micro_grads,
+    tokens,
+    resummed_grad,
+    uniform_grad,
+    terms,
+    weighting,
   )
 
 
@@ -405,12 +443,40 @@ def _fit(
   """What the gradient the probe applied in the first window is; with loss
   terms, which terms it weighs otherwise."""
   applied = jax.tree.map(jnp.subtract, first.params32, f32(probe.params[0]))
+  right, declared = _weightings(first.weighting)
   fit = fit_gradient(
-    applied, first.whole_grad, first.micro_grads, first.tokens, tolerance
+    applied,
+    first.whole_grad,
+    first.micro_grads,
+    first.tokens,
+    tolerance,
+    right,
+    declared,
   )
   if first.terms is None:
     return fit, None
   return explain(fit, applied, first.terms, tolerance)
+
+
+def _weightings(
+  weighting: Weighting | None,
+) -> tuple[list[float] | None, tuple[list[float], str] | None]:
+  """The whole batch's coefficients (``()`` where it is no combination; ``None``
+  with loss terms: the tokens' shares), and the setup's where they differ."""
+  if weighting is None:
+    return None, None
+  right = [] if weighting.kind == "coupled" else list(weighting.coefficients)
+  if weighting.as_declared:
+    return right, None
+  told = weighting.counts.coefficients(weighting.declared)
+  if told is None:
+    return right, None
+  by = (
+    "grad_reduction='window_mean'"
+    if weighting.declared == "sum"
+    else "loss_fn's weight"
+  )
+  return right, (list(told), by)
 
 
 def _report(
@@ -462,7 +528,27 @@ def _report(
     updates_compared=w.compared,
     tolerance=tolerance,
     **_term_fields(evidence.terms),
+    **_weighting_fields(first.weighting),
   )
+
+
+def _weighting_fields(weighting: Weighting | None) -> dict[str, Any]:
+  """The report's ``weight_name``, ``whole_batch_weighting`` and
+  ``whole_batch_weights``."""
+  if weighting is None:
+    return {}
+  coupled = weighting.kind == "coupled"
+  return {
+    "weight_name": weighting.weight_name,
+    "whole_batch_weighting": weighting.kind
+    if weighting.kind in ("sum", "fitted", "coupled")
+    else weighting.count_name(),
+    "whole_batch_weights": None
+    if coupled
+    else [float(c) for c in weighting.coefficients],
+    "as_declared": weighting.as_declared,
+    "whole_batch_weighs": "" if coupled else weighting.describe(),
+  }
 
 
 def _term_fields(terms: TermsEvidence | None) -> dict[str, Any]:

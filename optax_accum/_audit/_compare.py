@@ -40,7 +40,10 @@ class GradientFit:
 
   Attributes:
     error: Relative error against the whole-batch gradient.
-    kind: ``"whole"`` (it matches), ``"none"`` (nothing applied), ``"last"``
+    kind: ``"whole"`` (it matches), ``"none"`` (nothing applied), ``"declared"``
+      (the micro-batches weighed as the setup is told, by ``loss_fn``'s weight
+      or 1 each for ``grad_reduction="window_mean"``, where the whole batch
+      weighs them otherwise), ``"last"``
       (a multiple of the last micro-batch's gradient), ``"dropped"`` (a
       combination that leaves micro-batches out), ``"uniform"`` (a multiple of
       the mean of micro-batch gradients: F1), ``"scaled"`` (a multiple of the
@@ -87,27 +90,43 @@ def fit_gradient(
   micro_grads: Sequence[Any],
   tokens: Sequence[float],
   tol: float,
+  right: Sequence[float] | None = None,
+  declared: tuple[Sequence[float], str] | None = None,
 ) -> GradientFit:
   """Fits ``applied`` with each candidate explanation; the first that fits wins.
 
   Each candidate is a direction ``d`` and fits when ``applied = c * d`` to
   within ``tol`` for the best ``c``, so scaled forms of a bug (the last
   micro-batch's gradient divided by ``k``, or by its share of the tokens) are
-  recognised as that bug.
+  recognised as that bug. ``right`` is the whole batch's coefficient of each
+  micro-batch's gradient (``None``: its share of ``tokens``; no combination
+  for a loss that couples them: ``()``), ``declared`` the coefficients the
+  setup is told, and by what (``loss_fn``'s weight, or
+  ``grad_reduction="window_mean"``), where they differ.
   """
   a, w = flat(applied), flat(whole)
   g = np.stack([flat(x) for x in micro_grads])
   k = len(micro_grads)
   error = _rel(a, w)
+  if right is None:
+    right = [float(n) / float(sum(tokens)) for n in tokens]
   if error <= tol:
-    shares = [float(n) / float(sum(tokens)) for n in tokens]
-    return GradientFit(error, "whole", 1.0, shares)
+    return GradientFit(error, "whole", 1.0, [float(c) for c in right] or None)
   if not norm(a) > 0:
     return GradientFit(error, "none", 0.0, None, "nothing was applied")
   coef, *_ = np.linalg.lstsq(g.T, a, rcond=None)
   combination = norm(a - g.T @ coef) / norm(a) <= tol
   coefficients = [float(c) for c in coef] if combination else None
   share = (float(tokens[-1]), float(sum(tokens)))
+  if declared is not None and _rel(a, np.asarray(declared[0]) @ g) <= tol:
+    return GradientFit(
+      error,
+      "declared",
+      1.0,
+      coefficients,
+      f"it weighs the micro-batches {_vector(declared[0])}, as {declared[1]} "
+      f"says, the whole batch {_vector(right)}",
+    )
   if k > 1:
     missing = _missing_micro_batches(a, g, coefficients, share, tol)
     if missing is not None:
@@ -125,13 +144,23 @@ def fit_gradient(
     return GradientFit(
       error, "scaled", c, coefficients, f"the whole batch's gradient {c:.3g} times"
     )
-  if coefficients is not None:
-    weights = ", ".join(f"{x:.3g}" for x in coefficients)
-    right = ", ".join(f"{n / share[1]:.3g}" for n in tokens)
-    how = f"it weighs the micro-batches [{weights}], the whole batch [{right}]"
+  if coefficients is not None and len(right):
+    how = (
+      f"it weighs the micro-batches {_vector(coefficients)}, the whole batch "
+      f"{_vector(right)}"
+    )
+  elif coefficients is not None:
+    how = (
+      f"it weighs the micro-batches {_vector(coefficients)}; the whole batch's "
+      "gradient is no combination of theirs"
+    )
   else:
     how = "it is no combination of the window's micro-batch gradients"
   return GradientFit(error, "other", 1.0, coefficients, how)
+
+
+def _vector(c: Sequence[float]) -> str:
+  return "[" + ", ".join(f"{float(x):.3g}" for x in c) + "]"
 
 
 def _scaled(a: np.ndarray, d: np.ndarray) -> tuple[float, float]:

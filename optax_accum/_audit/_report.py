@@ -14,13 +14,14 @@ FAILURES = {
   "F4": "off-by-one window",
   "F6": "gradients dropped at the window boundary",
   "F7": "params frozen while the optimizer state advances",
+  "weight": "weight: not the count the loss divides by",
   "terms": "loss term weighted by the wrong count",
   "F10": "loss that couples the batch, per micro-batch",
   "other": "any other difference from the whole batch",
 }
 FIXES = {
-  "F1": "pass each micro-batch's token count: optax_accum.MultiSteps(...).update("
-  "grads, state, params, weight=n_tokens)",
+  "F1": "pass each micro-batch's {count}: optax_accum.MultiSteps(...).update("
+  "grads, state, params, weight={var})",
   "F3": "run the optimizer once per window (optax_accum.MultiSteps calls it only "
   "on the micro-step that ends one), and count schedules in updates: "
   "optax_accum.progress_schedule(schedule)",
@@ -60,7 +61,8 @@ class AuditReport:
   Attributes:
     setup: What ran on the accumulated side.
     k: Micro-batches per update.
-    tokens: Weight (tokens) of each micro-batch of the first window.
+    tokens: ``loss_fn``'s weight of each micro-batch of the first window
+      (tokens, or whatever it counts: ``weight_name``).
     mean_of_means_bias: Relative error, on this batch, of the uniform mean of
       micro-batch mean gradients against the whole-batch gradient: what F1
       would cost here.
@@ -106,6 +108,19 @@ class AuditReport:
     term_coefficients: The coefficient the applied gradient gives each term in
       each micro-batch (least squares; the window's objective gives
       ``w_ti / W_t``), where measured.
+    weight_name: What ``loss_fn``'s weight counts, as far as the batch's
+      shapes tell: ``"tokens"``, ``"sequences"`` (a whole number, at most one
+      a row), ``"rows"``, ``"positions"`` or ``"weight"``.
+    whole_batch_weighting: The count the whole batch weighs the micro-batches
+      by (``"tokens"``, ``"rows or positions"``, ...), or ``"sum"`` (1 each,
+      not normalised: a loss divided by a constant or not at all),
+      ``"fitted"`` (in proportion to none of the usual counts) or
+      ``"coupled"`` (no combination of them); empty with loss terms.
+    whole_batch_weights: The whole batch's coefficient of each micro-batch's
+      gradient (``None`` where coupled or with loss terms).
+    as_declared: Whether that is the weighting the setup is told (by
+      ``loss_fn``'s weight; 1 each with ``grad_reduction="window_mean"``).
+    whole_batch_weighs: It in words, with the counts.
   """
 
   setup: str
@@ -136,6 +151,11 @@ class AuditReport:
   verdicts: dict[str, Verdict] = dataclasses.field(default_factory=dict)
   term_weights: dict[str, list[float]] = dataclasses.field(default_factory=dict)
   term_coefficients: dict[str, list[float]] | None = None
+  weight_name: str = "tokens"
+  whole_batch_weighting: str = ""
+  whole_batch_weights: list[float] | None = None
+  as_declared: bool = True
+  whole_batch_weighs: str = ""
 
   @property
   def ok(self) -> bool:
@@ -148,7 +168,11 @@ class AuditReport:
 
   def _weights(self) -> list[str]:
     if not self.term_weights:
-      return [_format.row("tokens per micro-batch", [round(t) for t in self.tokens])]
+      weights = [int(w) if float(w).is_integer() else round(w, 3) for w in self.tokens]
+      lines = [_format.row(f"{self.weight_name} per micro-batch", weights)]
+      if not self.as_declared and self.whole_batch_weighs:
+        lines.append(_format.row("the whole batch", self.whole_batch_weighs))
+      return lines
     return [
       _format.row(
         f"weight of {name!r}",
@@ -216,9 +240,9 @@ class AuditReport:
     lines += self._marks()
     for failure, verdict in self.verdicts.items():
       name = FAILURES[failure]
-      lines.append(f"  {failure:<5} {name:<48} {verdict.status:<5} {verdict.detail}")
+      lines.append(f"  {failure:<6} {name:<48} {verdict.status:<5} {verdict.detail}")
       if verdict.status == "FOUND":
-        lines.append(f"        fix: {verdict.fix}")
+        lines.append(f"         fix: {verdict.fix}")
     return "\n".join(lines)
 
 

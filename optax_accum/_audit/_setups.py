@@ -54,6 +54,9 @@ class Setup:
     ends_windows: Whether ``optimizer`` holds an :class:`optax_accum.MultiSteps`,
       whose window the whole batch then ends on every update
       (``end_window=True``), so members after it step once per update.
+    declared: How the setup is told to weigh the micro-batches' gradients:
+      ``"weight"``, by ``loss_fn``'s weight (a mean over it); ``"sum"``, 1
+      each and not normalised (``grad_reduction="window_mean"``).
   """
 
   name: str
@@ -62,6 +65,7 @@ class Setup:
   loss: LossView
   probe: optax.GradientTransformation | None
   ends_windows: bool = False
+  declared: str = "weight"
 
 
 def accumulator_name(acc: Any) -> str:
@@ -293,25 +297,22 @@ def _check_accumulator(
       f"The {name} passed as `optimizer` sums over axis {acc.axis_name!r}; the "
       "audit runs on one device: pass it without `axis_name`."
     )
-  if isinstance(acc, MultiSteps) and acc.grad_reduction == "window_mean":
-    raise ValueError(
-      f"The {name} passed as `optimizer` takes grad_reduction='window_mean' "
-      "losses (shares of the window's mean), which only your loop can compute; "
-      "audit's `loss_fn` returns a token mean: audit it with "
-      "grad_reduction='mean', or pass your loop as `accumulation=`."
-    )
 
 
 def _accumulator_setup(given: LossView, acc: Accumulator) -> Setup:
   """The usual loop around ``acc``; its inner optimizer is the whole batch's.
 
   With ``grad_reduction="sum"`` ``loss_fn`` is the summed loss the train step
-  takes, and the whole batch takes its token mean. Loss terms go to an
-  ``optax.MultiSteps`` as their sum.
+  takes, and the whole batch takes its token mean. With
+  ``grad_reduction="window_mean"`` it is each micro-batch's share of the
+  window's loss (summed, divided by a constant such as the window's token
+  count), and the whole batch takes it as it is: the setup sums the shares'
+  gradients. Loss terms go to an ``optax.MultiSteps`` as their sum.
   """
   inner = acc.inner_opt
   loss_fn, has_aux = given.loss_fn, given.has_aux
-  summed = isinstance(acc, MultiSteps) and acc.grad_reduction == "sum"
+  reduction = acc.grad_reduction if isinstance(acc, MultiSteps) else "mean"
+  summed = reduction == "sum"
   loss = dataclasses.replace(given, summed=summed)
 
   def build(opt: Any) -> tuple[Callable, Callable]:
@@ -330,6 +331,11 @@ def _accumulator_setup(given: LossView, acc: Accumulator) -> Setup:
       "(grad_reduction='sum') in optax_accum.make_train_step (loss_fn summed "
       "over tokens; the whole batch takes its token mean)"
     )
+  elif reduction == "window_mean":
+    name += (
+      "(grad_reduction='window_mean') in optax_accum.make_train_step (loss_fn "
+      "divided by a constant or not at all: the micro-batches' gradients summed)"
+    )
   elif isinstance(acc, MultiSteps):
     name += " in optax_accum.make_train_step"
   elif loss.terms:
@@ -338,4 +344,5 @@ def _accumulator_setup(given: LossView, acc: Accumulator) -> Setup:
     )
   else:
     name += " in the usual loop (each micro-batch's gradient to update)"
-  return Setup(name, around, inner, loss, STATELESS_PROBE)
+  declared = "sum" if reduction == "window_mean" else "weight"
+  return Setup(name, around, inner, loss, STATELESS_PROBE, declared=declared)

@@ -20,6 +20,7 @@ from optax_accum._audit._report import (
 )
 from optax_accum._audit._runs import LoopRun, Path, Reference
 from optax_accum._audit._terms import TermsEvidence, terms_verdict
+from optax_accum._audit._weighting import NOUNS, Weighting, counts_text, short_vector
 from optax_accum._audit._windows import Windows, window_verdicts
 from optax_accum._core import _format
 
@@ -48,9 +49,12 @@ class Evidence:
     steps: Updates before the restart.
     chained: Whether the accumulator sits inside the optimizer.
     terms: With loss terms, what the ``terms`` verdict weighs.
-    coupled: Where the whole batch's gradient is not its micro-batches'
-      token-weighted sum (beyond the tolerance), how far off: the loss couples
-      them. ``None`` for a sum over examples.
+    coupled: Where the whole batch's gradient is no combination of its
+      micro-batches' (with loss terms: not their terms' weighted sum), beyond
+      the tolerance, how far off: the loss couples them. ``None`` for a sum
+      over examples.
+    weighting: Without loss terms, how the whole batch weighs the
+      micro-batches' gradients.
   """
 
   fit: GradientFit | None
@@ -63,6 +67,7 @@ class Evidence:
   chained: bool
   terms: TermsEvidence | None = None
   coupled: float | None = None
+  weighting: Weighting | None = None
 
 
 def _coupled_verdict(e: Evidence) -> Verdict | None:
@@ -72,16 +77,75 @@ def _coupled_verdict(e: Evidence) -> Verdict | None:
     return None
   if e.fit is not None and e.fit.kind == "whole":
     return Verdict("ok", "the setup applies the whole window's gradient")
-  detail = (
-    f"the whole batch's gradient is {e.coupled:.1e} from its micro-batches' "
-    "token-weighted sum: the loss is not a sum over examples, and the window "
-    "applies the sum"
-  )
+  if e.terms is not None:
+    detail = (
+      f"the whole batch's gradient is {e.coupled:.1e} from its micro-batches' "
+      "token-weighted sum: the loss is not a sum over examples, and the window "
+      "applies the sum"
+    )
+  else:
+    detail = (
+      f"the whole batch's gradient is {e.coupled:.1e} from the nearest "
+      "combination of its micro-batches' gradients: the loss is not a sum over "
+      "examples (no weight reproduces it), and the window applies a combination"
+    )
   return Verdict("FOUND", detail, FIXES["F10"])
 
 
+def _told(w: Weighting) -> str:
+  """How the setup is told to weigh the micro-batches, in words."""
+  if w.declared == "sum":
+    return "grad_reduction='window_mean' sums them as they are (1 each)"
+  name, n = w.weight_name, counts_text(w.counts.weight)
+  return f"loss_fn's weight is {n}" + ("" if name == "weight" else f" ({name})")
+
+
+def _weight_verdict(e: Evidence) -> Verdict | None:
+  """Whether ``loss_fn``'s weight (or ``grad_reduction``) weighs the
+  micro-batches as the whole batch does; ``None`` with loss terms (the terms
+  row says) or a loss that couples them (F10 says)."""
+  w = e.weighting
+  if w is None or w.kind == "coupled":
+    return None
+  if w.as_declared:
+    told = (
+      "as grad_reduction='window_mean' does"
+      if w.declared == "sum"
+      else "as loss_fn's weight says"
+    )
+    return Verdict("ok", f"the whole batch {w.describe()}, {told}")
+  told_c = w.counts.coefficients(w.declared)
+  shares = (
+    ""
+    if told_c is None
+    else f": {short_vector(w.coefficients)}, not {short_vector(told_c)}"
+  )
+  detail = f"the whole batch {w.describe()}, but {_told(w)}{shares}"
+  if e.fit is not None and e.fit.kind == "whole":
+    return Verdict(
+      "ok",
+      f"your setup applies the whole batch's gradient, which {w.describe()}; "
+      f"{_told(w)}, which would not give it in optax_accum.MultiSteps",
+    )
+  return Verdict("FOUND", detail, w.fix())
+
+
+def _f1_fix(r: AuditReport, w: Weighting | None) -> str:
+  """F1's fix: pass the count the whole batch weighs by."""
+  if r.term_weights:
+    return FIXES["terms"]
+  if w is not None and w.kind not in ("weight", "rows", "positions"):
+    return w.fix()
+  name = r.weight_name if w is None or w.kind == "weight" else w.kind
+  count, var = NOUNS[name]
+  return FIXES["F1"].format(count=count, var=var)
+
+
 def _gradient_verdicts(
-  r: AuditReport, fit: GradientFit | None, probe: LoopRun | None
+  r: AuditReport,
+  fit: GradientFit | None,
+  probe: LoopRun | None,
+  weighting: Weighting | None = None,
 ) -> tuple[Verdict, Verdict, str | None]:
   """F1 and F6 from the probe's first window; and an unexplained gradient problem."""
   k = r.k
@@ -102,6 +166,9 @@ def _gradient_verdicts(
   if fit.kind == "terms":
     na = Verdict("n/a", "a loss term is weighted by another count (see terms)")
     return na, na, None
+  if fit.kind == "declared":
+    na = Verdict("n/a", f"{off}: the micro-batches weighed as told (see weight)")
+    return na, na, None
   if fit.kind in ("last", "dropped"):
     return (
       Verdict("n/a", "micro-batches are missing from the gradient"),
@@ -113,8 +180,8 @@ def _gradient_verdicts(
     return (
       Verdict(
         "FOUND",
-        f"{off}: it is {fit.what} (tokens {lo:.0f}-{hi:.0f})",
-        FIXES["terms"] if r.term_weights else FIXES["F1"],
+        f"{off}: it is {fit.what} ({r.weight_name} {lo:.3g}-{hi:.3g})",
+        _f1_fix(r, weighting),
       ),
       Verdict("ok", "every micro-batch is in the gradient"),
       None,
@@ -226,11 +293,15 @@ def verdicts(r: AuditReport, evidence: Evidence) -> dict[str, Verdict]:
     v["F7"] = v["F4"] = Verdict("n/a", "the whole-batch run diverges")
   elif run.nonfinite_at is not None:  # NaN params compare equal to NaN params.
     v["F7"] = v["F4"] = Verdict("n/a", "your params became non-finite")
+  weighting = evidence.weighting
   v["F1"], v["F6"], gradient_problem = _gradient_verdicts(
-    r, evidence.fit, evidence.probe
+    r, evidence.fit, evidence.probe, weighting
   )
   if evidence.terms is not None:
     v["terms"] = terms_verdict(evidence.terms, evidence.fit)
+  weight = _weight_verdict(evidence)
+  if weight is not None:
+    v["weight"] = weight
   coupled = _coupled_verdict(evidence)
   if coupled is not None:
     v["F10"] = coupled
@@ -246,10 +317,7 @@ def verdicts(r: AuditReport, evidence: Evidence) -> dict[str, Verdict]:
     fix = fix or "audit with an optimizer that changes the params"
   if not explained and gradient_problem:
     problems.append(gradient_problem)
-    fix = fix or (
-      "the setup applies another gradient than the whole batch's: compare its "
-      "window sum and divisor with optax_accum.MultiSteps"
-    )
+    fix = fix or _other_gradient_fix(weighting)
   if not explained and not problems:
     problems, fix = _trajectory_problems(r, evidence, v["F4"].status != "FOUND")
   v["other"] = (
@@ -258,6 +326,22 @@ def verdicts(r: AuditReport, evidence: Evidence) -> dict[str, Verdict]:
     else Verdict("ok", "nothing else differs")
   )
   return {failure: v[failure] for failure in FAILURES if failure in v}
+
+
+def _other_gradient_fix(w: Weighting | None) -> str:
+  """What makes a setup apply the whole batch's gradient: the weight and the
+  ``grad_reduction`` its weighting needs."""
+  if w is None or w.kind == "coupled":
+    return (
+      "the setup applies another gradient than the whole batch's: compare its "
+      "window sum and divisor with optax_accum.MultiSteps, whose weight is the "
+      "count the loss divides by (grad_reduction='mean'), or 1 for a loss "
+      "divided by a constant (grad_reduction='window_mean')"
+    )
+  return (
+    "the setup applies another gradient than the whole batch's, which "
+    f"{w.describe()}: {w.fix()}"
+  )
 
 
 def _nonfinite_problems(reference: Reference, run: LoopRun) -> tuple[list[str], str]:
