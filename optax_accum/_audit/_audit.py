@@ -112,10 +112,17 @@ def audit(
   params: for the first window, which shows the gradient the setup applies;
   and for the whole run where the setup's params do not change at exactly the
   window ends, which shows where it applies updates whatever the learning
-  rate (a schedule that reaches 0 stops the params, not the updates). A
-  second whole-batch run sums the micro-batch gradients (token-weighted)
-  instead of taking the batch's own: the two differ by rounding only, which
-  sets how close each leaf of the setup's params must end.
+  rate (a schedule that reaches 0 stops the params, not the updates).
+
+  The weight the loss needs is found from the whole batch: the weighting of
+  the first batch's micro-batch gradients that gives its gradient, among
+  ``loss_fn``'s weight, the rows, the positions (each a mean over that count)
+  and a plain sum (a loss divided by a constant:
+  ``grad_reduction="window_mean"``); the ``weight`` verdict says where it is
+  not the one the setup is told. A second whole-batch run sums the
+  micro-batch gradients so weighted instead of taking the batch's own: the two
+  differ by rounding only, which sets how close each leaf of the setup's
+  params must end.
 
   Every run gets its own copy of ``params``, so a setup that donates its
   buffers is fine. Your ``step`` must apply the updates its optimizer returns;
@@ -126,12 +133,14 @@ def audit(
       and the number of tokens, or ``(loss, (weight, aux))`` with ``has_aux``;
       with an ``optax_accum.MultiSteps(grad_reduction="sum")`` as
       ``optimizer``, the loss summed over tokens, as the train step takes it
-      (the whole batch then takes its token mean). Or loss terms, ``{name:
-      (value, weight)}`` (and the aux with ``has_aux``): each a mean over its
-      own items and their count. The whole batch's objective is then each
-      term's weighted mean over the micro-batches, summed, and a ``terms``
-      verdict names a term your setup or your weights normalise by the wrong
-      count (``docs/audit.md``).
+      (the whole batch then takes its token mean); with
+      ``grad_reduction="window_mean"``, each micro-batch's share (the summed
+      loss divided by a constant), which the whole batch takes as it is. Or
+      loss terms, ``{name: (value, weight)}`` (and the aux with ``has_aux``):
+      each a mean over its own items and their count. The whole batch's
+      objective is then each term's weighted mean over the micro-batches,
+      summed, and a ``terms`` verdict names a term your setup or your weights
+      normalise by the wrong count (``docs/audit.md``).
     optimizer: The optimizer the whole batch would use, or your accumulator
       around it (``optax.MultiSteps(opt, k)``). Learning rates injected with
       ``optax.inject_hyperparams`` are compared at every update, in every

@@ -24,8 +24,13 @@ def per_window(setup: WindowSetup) -> Callable[..., tuple[Callable, Callable]]:
   ``setup(optimizer, k) -> (init, train_window)`` builds your trainer around
   ``optimizer``: ``init(params) -> state`` and ``train_window(params, state,
   micro_batches) -> (params, state)``, called with a window's ``k``
-  micro-batches (a list). The returned ``accumulation`` keeps each window's
-  micro-batches in the state until the ``k``-th arrives, then calls
+  micro-batches (a list) in the order ``audit``'s ``split`` gives them: by
+  default strided, micro-batch ``i`` holding rows ``i, i + k, i + 2k, ...``
+  (:func:`optax_accum.split_micro_batches`). A trainer that slices contiguous
+  rows itself is audited with a ``split`` that does the same, so that the
+  micro-batches the audit weighs are its own. The returned ``accumulation``
+  keeps each window's micro-batches in the state until the ``k``-th arrives,
+  then calls
   ``train_window``; the audit's restart, one micro-step into a window, resumes
   with the micro-batch already taken.
 
