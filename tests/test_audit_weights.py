@@ -389,3 +389,33 @@ def test_per_window_hands_the_micro_batches_strided():
     split=contiguous,
   )
   assert seen[0] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_another_weighting_shows_both_and_names_weight_and_grad_reduction():
+  """A window trainer that weighs its micro-batches 1, 2, 3, 4: `other`
+  prints its weighting beside the whole batch's (token shares), and its fix
+  names the weight and `grad_reduction`."""
+
+  def fixed_shares(optimizer, k):
+    grad = jax.grad(token_mean, has_aux=True)
+
+    @jax.jit
+    def train_window(params, state, micro_batches):
+      grads = [grad(params, b)[0] for b in micro_batches]
+      mean = jax.tree.map(
+        lambda *g: sum((i + 1) * x for i, x in enumerate(g)) / 10, *grads
+      )
+      updates, state = optimizer.update(mean, state, params)
+      return optax.apply_updates(params, updates), state
+
+    return optimizer.init, train_window
+
+  report = _audit(token_mean, accumulation=optax_accum.per_window(fixed_shares))
+  assert report.found() == {"other"}, str(report)
+  shares = ", ".join(f"{x:.3g}" for x in TOKENS / TOKENS.sum())
+  other = report.verdicts["other"]
+  assert (
+    f"it weighs the micro-batches [0.1, 0.2, 0.3, 0.4], the whole batch [{shares}]"
+    in other.detail
+  )
+  assert "weight=n_tokens" in other.fix and "grad_reduction='mean'" in other.fix
