@@ -7,8 +7,10 @@ docstring. Equinox tests are skipped without equinox (an optional test extra).
 
 import functools
 import inspect
+import json
 import pathlib
 import re
+import warnings
 
 import flax.linen as nn
 import jax
@@ -169,6 +171,38 @@ def test_linen_train_state_refuses_what_would_be_silently_wrong():
     linen.apply_gradients(grads=grads),
   )
   assert rel(got.params, want.params) == 0.0 and int(got.step) == 1
+
+
+def test_linen_section_opens_with_the_fix_and_flax_s_own_type_error():
+  """Issue 69, item 4: swapping only MultiSteps and passing `weight=` to Linen's
+  own TrainState fails with Flax's bare TypeError, which cannot name the fix.
+  The Linen section says "use optax_accum.flax.TrainState" before its code,
+  with the TypeError's text as Flax writes it, so a search for it lands there;
+  so does the migration notebook."""
+  model, params, loss_fn = linen_mlp()
+  grads, _ = jax.grad(loss_fn, has_aux=True)(params, make_batches(1)[0])
+  linen = train_state.TrainState.create(
+    apply_fn=model.apply, params=params, tx=optax_accum.MultiSteps(_adamw(), K)
+  )
+  with warnings.catch_warnings(), pytest.raises(TypeError) as raised:
+    warnings.simplefilter("ignore")  # The no-weight warning (tested above).
+    linen.apply_gradients(grads=grads, weight=3)
+  error = f"TypeError: {raised.value}"
+  assert "unexpected keyword argument 'weight'" in error
+  page = (ROOT / "docs" / "frameworks.md").read_text()
+  linen_section = page.split("\n## Flax Linen", 1)[1].split("\n## ", 1)[0]
+  before_code = re.sub(r"\s+", " ", linen_section.split("```", 1)[0])
+  assert "use `optax_accum.flax.TrainState`" in before_code
+  assert f"`{error}`" in before_code
+  notebook = json.loads((ROOT / "notebooks" / "05_migrating.ipynb").read_text())
+  cells = [
+    re.sub(r"\s+", " ", "".join(cell["source"]))
+    for cell in notebook["cells"]
+    if cell["cell_type"] == "markdown"
+  ]
+  assert any(
+    f"`{error}`" in cell and "optax_accum.flax.TrainState" in cell for cell in cells
+  )
 
 
 class _DropoutDense(nn.Module):
