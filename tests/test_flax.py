@@ -368,3 +368,31 @@ def test_nnx_plain_optimizer_drops_a_bad_weight(bad):
   assert [int(s[2]) for s in got] == [1, 1, 2]
   _, _, want = _nnx_run(nnx.Optimizer, [None, None])
   _assert_trees_equal(got[0], want[0])
+
+
+def test_nnx_plain_optimizer_eagerly_and_with_loss():
+  """Item 3: eagerly too (a weight known in Python: nnx.Optimizer's own ops),
+  a bad weight drops the call; `loss=` reaches the optimizer as `value`, and
+  `value=` beside it is refused, as MultiSteps refuses it."""
+  batch = make_batches(1)[0]
+  tx = optax.chain(_tx(), optax.contrib.reduce_on_plateau(factor=0.5, patience=0))
+  models = [MLP(nnx.Rngs(0)) for _ in range(2)]
+  ours = optax_accum.flax.Optimizer(models[0], tx, wrt=nnx.Param)
+  theirs = nnx.Optimizer(models[1], tx, wrt=nnx.Param)
+
+  def loss(model):
+    return token_mean_ce(model(batch["x"]), batch)
+
+  for weight in (3, 0, float("nan"), 5):
+    (value, n), grads = nnx.value_and_grad(loss, has_aux=True)(models[0])
+    ours.update(models[0], grads, weight=weight, loss=value)
+    if weight > 0:
+      (value, n), grads = nnx.value_and_grad(loss, has_aux=True)(models[1])
+      theirs.update(models[1], grads, value=value)
+    _assert_trees_equal(
+      nnx.as_pure((nnx.state(models[0], nnx.Param), ours.opt_state, ours.step)),
+      nnx.as_pure((nnx.state(models[1], nnx.Param), theirs.opt_state, theirs.step)),
+    )
+  assert int(ours.step[...]) == 2
+  with pytest.raises(ValueError, match=r"`loss=` or `value=`, not both"):
+    ours.update(models[0], grads, weight=n, loss=value, value=value)
