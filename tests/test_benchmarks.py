@@ -182,3 +182,30 @@ def test_noise_scale_benchmark_smoke(tmp_path):
     assert r["off_ms"] > 0 and r["on_ms"] > 0
     assert r["flops"][1] > r["flops"][0] > 0
   assert (tmp_path / "cpu-x86_64-noise-scale.md").exists()
+
+
+def test_batch_ramp_smoke(tmp_path):
+  """``benchmarks/batch_ramp.py --smoke``: held-out text from the standard
+  library, the tuned peak, every run per seed with its paired differences,
+  the branches' critical batch, and the results files."""
+  from benchmarks import batch_ramp
+
+  text = batch_ramp.stdlib_text()
+  assert text["info"]["bytes"]["train"] > 5 * text["info"]["bytes"]["eval"] > 0
+  table = batch_ramp.main(["--smoke", "--out", str(tmp_path), "--docs-plot", ""])
+  assert set(table) == set(batch_ramp.run_names([1, 2]))
+  assert table["small"]["updates"] == [32, 32]
+  assert table["large"]["updates"] == [16, 16]
+  assert table["switch"]["updates"] == [24, 24]
+  zero = table["small"]["minus_small"]
+  assert zero["mean"] == zero["low"] == zero["high"] == 0.0
+  for run in table.values():
+    d = run["minus_best_fixed"]
+    assert d["low"] <= d["mean"] <= d["high"]
+  (path,) = tmp_path.glob("*-batch-ramp.json")
+  saved = json.loads(path.read_text())
+  assert saved["meta"]["data"]["python"]
+  (cut,) = saved["branches"]
+  assert cut["critical_k"] in (1, 2)
+  for suffix in ("md", "png"):
+    assert path.with_suffix(f".{suffix}").stat().st_size > 0
