@@ -113,18 +113,19 @@ def _window_input(batch, mode, mesh):
 Run = collections.namedtuple("Run", "mesh_name axis_name mode mesh step params state")
 
 
-def _start(mesh_name, opt):
+def _start(mesh_name, step):
   """Params and the optimizer state placed as the step returns them (P(None,
   None), not P(): the same sharding, spelled so jit's cache sees it), so the
-  programs compile once."""
+  programs compile once; the state from ``step.init``, which keeps partial
+  sums on these meshes (``opt.init``'s one sum stays one sum)."""
   mesh = _mesh(mesh_name)
   specs = _param_specs(mesh_name)
   params = {
     name: jax.device_put(value, NamedSharding(mesh, specs[name]))
     for name, value in _params().items()
   }
-  with jax.set_mesh(mesh):  # jit on an Explicit mesh: counters need the mesh.
-    return mesh, params, jax.jit(opt.init)(params)
+  with jax.set_mesh(mesh):
+    return mesh, params, step.init(params)
 
 
 @functools.cache
@@ -136,8 +137,8 @@ def _trained(mesh_name, axis_name, mode):
   others do not."""
   set_mesh = axis_name is None or (mesh_name, mode) == ("2d", "scan")
   opt = optax_accum.MultiSteps(_adamw(), K)
-  mesh, params, state = _start(mesh_name, opt)
   step = optax_accum.make_train_step(_mlp_loss, opt, mode=mode, axis_name=axis_name)
+  mesh, params, state = _start(mesh_name, step)
   with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
     for batch in _batches():
       for call in _window_input(batch, mode, mesh):
@@ -241,8 +242,8 @@ def test_dp_x_tp_with_an_auto_model_axis_reduces_once_per_window():
   }
   opt = optax_accum.MultiSteps(_adamw(), K)
   step = optax_accum.make_train_step(_plain_mlp_loss, opt, axis_name="data")
-  with jax.set_mesh(mesh):
-    state = jax.jit(opt.init)(params)
+  with jax.set_mesh(mesh):  # Sums and moments split over `model` as the params.
+    state = step.init(params)
   half = sum(x.nbytes for x in jax.tree.leaves(wide)) // 2
   call = _window_input(_batches()[0], "stream", mesh)[0]
 
@@ -282,7 +283,7 @@ def test_every_kind_of_weight_matches_one_device(weight, mode):
     step = optax_accum.make_train_step(loss_fn, opt, mode=mode)
     params = jax.device_put(_params(), NamedSharding(mesh, P(None, None)))
     with jax.set_mesh(mesh):
-      state = jax.jit(opt.init)(params)
+      state = step.init(params)  # Partial sums (opt.init's one sum stays one).
       for batch in _batches():
         for call in _window_input(batch, mode, mesh):
           params, state, _ = step(params, state, call)
@@ -326,7 +327,7 @@ def test_params_jax_cannot_type_reduced_keep_a_reduction_per_micro_batch():
     step = optax_accum.make_train_step(loss_fn, opt)
     placed = jax.device_put(params, NamedSharding(mesh, P()))
     with jax.set_mesh(mesh):
-      state = jax.jit(opt.init)(placed)
+      state = step.init(placed)
       for batch in _batches():
         for call in _window_input(batch, "stream", mesh):
           placed, state, _ = step(placed, state, call)
@@ -405,7 +406,7 @@ def test_loss_terms_reduce_once_per_window_too(mode):
     step = optax_accum.make_train_step(_term_loss, opt, mode=mode)
     params = jax.device_put(toy_lm.init_params(seed=0), NamedSharding(mesh, P()))
     with jax.set_mesh(mesh):
-      state = jax.jit(opt.init)(params)
+      state = step.init(params)
       for seed in range(WINDOWS):
         batch = toy_lm.make_batch(seed=seed, batch=K * ROWS)
         for call in _window_input(batch, mode, mesh):

@@ -113,6 +113,12 @@ class PerReplicaLayout(Layout):
     return PerReplica(stacked, tuple(axes))
 
   @classmethod
+  def kept(cls, acc: PerReplica) -> Layout | None:
+    """``None``: the partial sums of the call's devices (added up on others)."""
+    del acc
+    return None
+
+  @classmethod
   def carried(cls, total: Any, given: PerReplica) -> PerReplica:
     """Traced: ``total`` as replica 0's partial sum, stacked as ``given``."""
     n = replicas(given)
@@ -157,9 +163,6 @@ class PerReplicaLayout(Layout):
     trees = _window.per_term(sums, terms)
     stacks = tuple(jax.tree.map(stacked, tree, params) for tree in trees)
     return PerReplica(_window.stored(stacks, terms), self.axes)
-
-  def placed(self, tree: Any) -> Any:
-    return _placement.as_returned(tree, self.mesh)
 
   def policy(self) -> Any:
     return _reduction.policy(self.axes, at_window_end=True)

@@ -96,10 +96,13 @@ class Layout:
 
   @classmethod
   def kept(cls, acc: Any) -> Layout | None:
-    """The layout a call runs in for a state stored in this one, on any devices;
-    ``None``: the step chooses (one sum, or per replica on a mesh)."""
+    """The layout a call runs in for a state stored in this one, on any devices
+    (one sum stays one sum; a packed node becomes one); ``None``: the step
+    chooses for the call's devices (per-replica partial sums)."""
     del acc
-    return None
+    from optax_accum._layouts._one_sum import ONE_SUM  # A subclass: imported late.
+
+    return ONE_SUM
 
   # -- in a train step's programs -----------------------------------------------
 
@@ -109,10 +112,6 @@ class Layout:
     """``state``'s accumulator (any layout) in this one."""
     del params, terms
     return state._replace(acc_grads=to_sum(state.acc_grads))
-
-  def placed(self, tree: Any) -> Any:
-    """``tree`` placed as this layout's programs return it."""
-    return tree
 
   def policy(self) -> Any:
     """The reduction policy of this layout's bodies, or ``None`` (the step's)."""

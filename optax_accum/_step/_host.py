@@ -41,19 +41,30 @@ class Host:
     self._chosen: dict[Any, Layout] = {}
 
   def arranged(
-    self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any = None
+    self,
+    params: Any,
+    opt_state: MultiStepsState,
+    batch: Any,
+    rng: Any = None,
+    *,
+    keep: bool = True,
   ) -> tuple[Any, MultiStepsState, Layout]:
-    """Params, ``opt_state`` in the call's layout, and that layout: if traced or on
-    no mesh one sum (a traced call's result goes back to the given layout:
-    ``_layouts.carried``), else per-replica where it can."""
+    """Params, ``opt_state`` in the call's layout, and that layout: the state's
+    own where it keeps one (``keep``; one sum stays one sum, on any devices);
+    else if traced or on no mesh one sum (a traced call's result goes back to
+    the given layout: ``_layouts.carried``), else per-replica where it can.
+    With ``axis_name`` under plain ``jit`` the programs run in a ``shard_map``,
+    which takes only per-replica partial sums."""
     in_trace = traced(params, opt_state, batch)
-    kept = of(opt_state.acc_grads).kept(opt_state.acc_grads)
-    if kept is not None:  # A layout the state keeps on any devices.
+    mesh = None if in_trace else mesh_of(params, batch)
+    kept = of(opt_state.acc_grads).kept(opt_state.acc_grads) if keep else None
+    if kept is not None and (in_trace or not self._replica_axes):
       opt_state = self.lay_out(opt_state, kept, params)
       if in_trace:
         return params, opt_state, kept
+      if mesh is not None:
+        return (*as_returned((params, opt_state), mesh), kept)
       return (*committed((params, opt_state), (params, batch)), kept)
-    mesh = None if in_trace else mesh_of(params, batch)
     if in_trace or (mesh is None and not self._replica_axes):
       opt_state = self.lay_out(opt_state, ONE_SUM)
       if in_trace:

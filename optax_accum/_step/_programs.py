@@ -6,12 +6,14 @@ them for a layout."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._core import _checks, _ending, _noise, _reduction, _window
@@ -83,14 +85,51 @@ class Program:
       if options is None
       else jax.jit(fn, donate_argnums=argnums, compiler_options=options)
     )
+    self._jit = functools.partial(
+      jax.jit, fn, donate_argnums=argnums, compiler_options=options
+    )
+    self._returns = (*donates, "counters")  # What it returns of its inputs.
+    self._as_given: dict[Any, Any] = {}
 
   def __call__(self, inputs: Inputs) -> Outputs:
     if self.jitted is not self.nested and _traced(inputs):  # Options: no walk.
       return Outputs(*self.nested(*inputs))
-    return Outputs(*self.jitted(*inputs))
+    return Outputs(*self._for(inputs)(*inputs))
 
   def lower(self, inputs: Inputs) -> jax.stages.Lowered:
-    return self.jitted.lower(*inputs)
+    return self._for(inputs).lower(*inputs)
+
+  def _for(self, inputs: Inputs) -> Any:
+    """The program for ``inputs``: on a mesh, one returning what it returns of
+    them (params, the inner state, sums, counters) placed as they came, leaf by
+    leaf (else XLA chooses: a replicated norm scale came back split)."""
+    if not _on_a_mesh(inputs):
+      return self.jitted
+    returned = {
+      name: jax.tree.map(_sharding, getattr(inputs, name)) for name in self._returns
+    }
+    given = Outputs(None, None, None, None, None, None)._replace(**returned)
+    leaves, treedef = jax.tree.flatten(given)
+    key = (tuple(leaves), treedef)
+    if key not in self._as_given:
+      self._as_given[key] = self._jit(out_shardings=given)
+    return self._as_given[key]
+
+
+def _sharding(x: Any) -> Any:
+  """``x``'s ``NamedSharding``, else ``None`` (the compiler chooses)."""
+  sharding = getattr(x, "sharding", None)
+  return sharding if isinstance(sharding, NamedSharding) else None
+
+
+def _on_a_mesh(inputs: Inputs) -> bool:
+  """Whether a call from Python runs on a mesh of several devices, by its
+  counters (placed there with the state; no tree walk)."""
+  probe = getattr(inputs.counters, "mini_step", None)
+  if not isinstance(probe, jax.Array) or isinstance(probe, jax.core.Tracer):
+    return False
+  sharding = probe.sharding
+  return isinstance(sharding, NamedSharding) and sharding.mesh.size > 1
 
 
 def _traced(inputs: Inputs) -> bool:

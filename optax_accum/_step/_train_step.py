@@ -14,7 +14,7 @@ from jax.typing import ArrayLike
 from optax_accum._core import _checks, _reduction, _window
 from optax_accum._core._hyperparams import find_states
 from optax_accum._core._multi_steps import EveryKSchedule, MultiSteps, MultiStepsState
-from optax_accum._core._placement import committed, traced
+from optax_accum._core._placement import as_returned, committed, mesh_of, traced
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import check_single_accumulation
 from optax_accum._core._transitions import full, with_window
@@ -211,8 +211,8 @@ class TrainStep:
       if not traced(params, state, batch):
         params, state = committed((params, state), (params, batch))
       return params, state, ONE_SUM
-    state = self._around(params, inner, sums=True)
-    return self._host.arranged(params, state, batch, rng)
+    state = self._around(params, inner, sums=True)  # New: the step chooses.
+    return self._host.arranged(params, state, batch, rng, keep=False)
 
   def _around(self, params: Any, inner: Any, sums: bool) -> MultiStepsState:
     """The inner state (``tx.init(params)``) in an empty window, sums zeros or
@@ -273,8 +273,11 @@ class TrainStep:
     stays one sum); a checkpoint of the step's state restores against this.
     """
     state = self.optimizer.init(params)
+    mesh = mesh_of(params)
+    if mesh is not None:  # Counters placed as the programs return them.
+      state = as_returned(state, mesh)
     layout = self._host.init_layout(params)
-    return layout.lay_out(layout.placed(state), params, self.optimizer.config.terms)
+    return layout.lay_out(state, params, self.optimizer.config.terms)
 
   def lower(
     self,
