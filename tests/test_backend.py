@@ -18,7 +18,7 @@ import toy_lm
 
 import optax_accum
 from benchmarks.hlo import data_dependent_control_flow
-from optax_accum._core import _ending
+from optax_accum._core import _backend
 
 K = 2
 BATCHES = [toy_lm.make_batch(seed=20 + window, batch=8) for window in range(2)]
@@ -173,7 +173,7 @@ def test_a_narrow_accumulator_is_rounded_where_xla_gpu_cannot_skip_it(dtype):
 
 
 def test_a_window_end_traces_the_optimizer_once():
-  """The optimizer's trace is most of a program's: ``_ending.once_if`` traces
+  """The optimizer's trace is most of a program's: ``_backend.once_if`` traces
   it once for its types, the ``cond`` (CPU, TPU) and the select (GPUs) together
   (``lax.platform_dependent`` traces each distinct branch: 3 traces before)."""
   traces = []
@@ -183,5 +183,5 @@ def test_a_window_end_traces_the_optimizer_once():
     return x + 1
 
   x = jnp.zeros(())
-  jax.jit(lambda p: _ending.once_if(p, fn, x)).trace(jnp.array(True))
+  jax.jit(lambda p: _backend.once_if(p, fn, x)).trace(jnp.array(True))
   assert len(traces) == 1

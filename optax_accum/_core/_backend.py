@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -164,7 +163,8 @@ def norm_groups(like: Any) -> tuple[tuple[int, ...], ...]:
 
 
 def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
-  """``fn(init)`` if ``pred`` else ``init`` (typed like ``fn``'s outputs).
+  """``fn(init)`` if ``pred`` else ``init``, ``init`` first typed like ``fn``'s
+  outputs (dtype, varying axes, sharding); ``fn`` is traced once.
 
   On CPU and TPU a ``lax.cond``: XLA:CPU updates its operands in place
   (scratch within a few KB of a loop run once or never, no params-sized copy;
@@ -177,22 +177,31 @@ def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
     2.0
   """
 
+  def typed(x: Any, like: Any) -> Any:
+    return _placement.typed_like(jnp.asarray(x).astype(like.dtype), like)
+
+  fn = jax.jit(fn)  # Traced once: for its types, then for each backend's form.
+  init = jax.tree.map(typed, init, jax.eval_shape(fn, init))
+
   def conded(p: jax.Array, i: Any) -> Any:
     return jax.lax.cond(p, fn, lambda x: x, i)
 
+  def selected(p: jax.Array, i: Any) -> Any:
+    return select_if(p, fn, i)
+
   # One callable for CPU and TPU: platform_dependent traces each distinct one.
   return jax.lax.platform_dependent(
-    pred, init, cpu=conded, tpu=conded, default=functools.partial(select_if, fn=fn)
+    pred, init, cpu=conded, tpu=conded, default=selected
   )
 
 
-def select_if(pred: jax.Array, init: Any, fn: Callable[[Any], Any]) -> Any:
-  """``fn(init)`` where ``pred``, else ``init``: ``fn`` always runs, and a
-  select fused into its kernels keeps ``init`` where ``pred`` is false.
-  ``fn`` returns arrays (``_ending.once_if`` jits it) typed like ``init``.
+def select_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
+  """``fn(init)`` where ``pred``, else ``init`` (:func:`once_if`'s order):
+  ``fn`` always runs, and a select fused into its kernels keeps ``init``
+  where ``pred`` is false. ``fn`` returns arrays typed like ``init``.
 
   Examples:
-    >>> float(select_if(jnp.array(False), jnp.array(1.0), lambda x: x + 1))
+    >>> float(select_if(jnp.array(False), lambda x: x + 1, init=jnp.array(1.0)))
     1.0
   """
 

@@ -3,8 +3,9 @@ state closed; :func:`end` serves ``MultiSteps.update`` and the train step.
 
 Compile time stays linear in the leaves: whole-tree scalars (the squared norm,
 the finite flag) reach per-leaf work only as control-flow predicates
-(:func:`once_if`). XLA fuses a cheap scalar chain into each consumer, so a flag
-read by every leaf's select would copy the chain over all leaves into each.
+(``_backend.once_if``). XLA fuses a cheap scalar chain into each consumer, so
+a flag read by every leaf's select would copy the chain over all leaves into
+each.
 
 Examples:
   One micro-batch of weight 2 ends a window of SGD at learning rate 1:
@@ -24,7 +25,6 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -42,25 +42,6 @@ class Ending(NamedTuple):
   target: Any  # Updates (exact zeros unless applied), or params with them applied.
   state: MultiStepsState  # After the window's end, with the new inner state.
   norm: jax.Array  # The window gradient's norm where the window applied, else 0.
-
-
-def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
-  """:func:`optax_accum._core._backend.once_if`, ``init`` first typed like
-  ``fn``'s outputs (dtype, varying axes, sharding).
-
-  Examples:
-    >>> float(once_if(jnp.array(True), lambda x: x + 1, jnp.array(1.0)))
-    2.0
-    >>> float(once_if(jnp.array(False), lambda x: x + 1, jnp.array(1.0)))
-    1.0
-  """
-
-  def typed(x: Any, like: Any) -> Any:
-    return ms.typed_like(jnp.asarray(x).astype(like.dtype), like)
-
-  fn = jax.jit(fn)  # Traced once: for its types, then for each backend's form.
-  init = jax.tree.map(typed, init, jax.eval_shape(fn, init))
-  return _backend.once_if(pred, fn, init)
 
 
 def end(
@@ -100,7 +81,9 @@ def end(
     return squares, _window.nonfinite(summed, squares)
 
   dtype = _window.weight(window).dtype
-  squares, flag = once_if(positive, checked, (jnp.zeros([], dtype), jnp.array(False)))
+  squares, flag = _backend.once_if(
+    positive, checked, (jnp.zeros([], dtype), jnp.array(False))
+  )
   nonfinite = positive & reduction.any(flag, added.acc_weight)
   applies = positive & ~nonfinite
 
@@ -119,7 +102,7 @@ def end(
   else:  # Zeros typed by once_if as the updates (a varying ``like`` would not do).
     start = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)), like)
   carry = (start, added.inner_opt_state, jnp.zeros_like(squares))
-  target, inner, norm = once_if(applies, update, carry)
+  target, inner, norm = _backend.once_if(applies, update, carry)
   if config.noise_scale:  # Over a model axis' shards of the window's gradient.
     squares = reduction.over_shards(squares, added.acc_weight)
   state = ms.closed(

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._core._checks import axes as _axes
+from optax_accum._core._reduction import varying_over
 
 
 def traced(*trees: Any) -> bool:
@@ -121,3 +122,19 @@ def as_returned(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     return jax.make_array_from_single_device_arrays(x.shape, full, shards)
 
   return jax.tree.map(place, tree)
+
+
+def typed_like(x: Any, like: Any) -> jax.Array:
+  """``x`` typed as ``like`` (an array or an abstract value): varying over the
+  same manual axes, and split alike on an ``Explicit`` mesh (an inner state built
+  with ``jnp.zeros(p.shape)`` is replicated; its update may split it)."""
+  types = getattr(like, "manual_axis_type", None)
+  x = varying_over(x, types.varying if types is not None else ())
+  aval = like if isinstance(like, jax.ShapeDtypeStruct) else jax.typeof(like)
+  want = getattr(aval, "sharding", None)
+  have = getattr(jax.typeof(x), "sharding", None)
+  if not (isinstance(want, NamedSharding) and isinstance(have, NamedSharding)):
+    return x
+  if have.spec != want.spec and want.mesh.are_all_axes_explicit:
+    x = jax.sharding.reshard(x, want.spec)
+  return x

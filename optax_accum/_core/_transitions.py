@@ -13,10 +13,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
 from jax.typing import ArrayLike
 
-from optax_accum._core import _checks, _hyperparams, _noise, _reduction, _window
+from optax_accum._core import _checks, _hyperparams, _noise, _window
 from optax_accum._core._state import (
   WINDOW_MICRO_STEPS,
   WINDOW_WEIGHT,
@@ -302,22 +301,6 @@ def _count_if(flag: jax.Array, counter: jax.Array) -> jax.Array:
 def _kept_unless(ends: jax.Array, new: jax.Array, old: ArrayLike) -> jax.Array:
   """``new`` if ``ends`` else ``old`` (cast to ``new``'s dtype)."""
   return jnp.where(ends, new, jnp.asarray(old).astype(new.dtype))
-
-
-def typed_like(x: Any, like: Any) -> jax.Array:
-  """``x`` typed as ``like`` (an array or an abstract value): varying over the
-  same manual axes, and split alike on an ``Explicit`` mesh (an inner state built
-  with ``jnp.zeros(p.shape)`` is replicated; its update may split it)."""
-  types = getattr(like, "manual_axis_type", None)
-  x = _reduction.varying_over(x, types.varying if types is not None else ())
-  aval = like if isinstance(like, jax.ShapeDtypeStruct) else jax.typeof(like)
-  want = getattr(aval, "sharding", None)
-  have = getattr(jax.typeof(x), "sharding", None)
-  if not (isinstance(want, NamedSharding) and isinstance(have, NamedSharding)):
-    return x
-  if have.spec != want.spec and want.mesh.are_all_axes_explicit:
-    x = jax.sharding.reshard(x, want.spec)
-  return x
 
 
 def check_extra_args(extra_args: dict[str, Any], loss: Any) -> None:
