@@ -2,7 +2,7 @@
 one sum, per-replica partial sums, deferred partial sums, and packed sums
 (only restored). The only names other layers import."""
 
-from optax_accum._layouts import _deferred, _per_replica
+from optax_accum._layouts import _choice
 from optax_accum._layouts._deferred import (
   DeferredLayout,
   choose_leaves,
@@ -24,11 +24,9 @@ from optax_accum._layouts._protocol import (
   to_sum,
 )
 
-#: Which layout a call or ``step.init`` runs in, where the mesh decides.
-replicas_for_call = _per_replica.for_call
-replicas_for_init = _per_replica.for_init
-deferred_for_call = _deferred.for_call
-deferred_for_init = _deferred.for_init
+#: Which layout ``step.init``, or a call given a state it did not return, chooses.
+layout_for_init = _choice.for_init
+layout_for_call = _choice.for_call
 
 __all__ = (
   "ONE_SUM",
@@ -40,15 +38,13 @@ __all__ = (
   "Sharded",
   "carried",
   "choose_leaves",
-  "deferred_for_call",
-  "deferred_for_init",
+  "layout_for_call",
+  "layout_for_init",
   "micro_batch_like",
   "of",
   "register",
   "relayout",
   "renamed",
-  "replicas_for_call",
-  "replicas_for_init",
   "resume_target",
   "saved_as",
   "to_sum",

@@ -13,19 +13,15 @@ per-micro-batch reduction.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum._core import _placement
-from optax_accum._core._checks import axes as _axes
 from optax_accum._core._reduction import Deferred
-from optax_accum._core._state import MultiStepsConfig
 from optax_accum._layouts._per_replica import PerReplicaLayout
 from optax_accum._layouts._protocol import Body, Sharded, renamed
 
@@ -51,63 +47,6 @@ class DeferredLayout(PerReplicaLayout):
 
   def sharded(self, window: bool) -> Sharded | None:
     return None
-
-
-def defers(config: MultiStepsConfig) -> bool:
-  """Whether ``config`` can defer: ``"skip_micro_batch"`` checks and
-  ``noise_scale`` measures each micro-batch's whole gradient."""
-  return config.on_nonfinite != "skip_micro_batch" and not config.noise_scale
-
-
-def for_init(
-  params: Any, mesh: jax.sharding.Mesh, config: MultiStepsConfig
-) -> DeferredLayout | None:
-  """``step.init``'s layout on an ``Explicit`` mesh without ``axis_name``: over
-  the ``Explicit`` axes no param is split over, if any has more than one device."""
-  if not defers(config):
-    return None
-  split = {a for p in jax.tree.leaves(params) for a in _placement.split_over(p)}
-  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-  axes = tuple(
-    a for a in mesh.axis_names if types[a] == AxisType.Explicit and a not in split
-  )
-  if math.prod(mesh.shape[a] for a in axes) <= 1:
-    return None
-  return DeferredLayout(mesh, axes, (False,) * len(jax.tree.leaves(params)))
-
-
-def for_call(
-  params: Any, batch: Any, config: MultiStepsConfig, *, scan: bool
-) -> DeferredLayout | None:
-  """The call's deferred layout, leaves not chosen yet (:func:`choose_leaves`),
-  or ``None``: rows split over ``Explicit`` axes that split no param (FSDP's are
-  reduce-scattered)."""
-  if not defers(config):
-    return None
-  dim = 1 if scan else 0
-  found = set()
-  for leaf in jax.tree.leaves(batch):
-    sharding = getattr(leaf, "sharding", None)
-    if not isinstance(sharding, NamedSharding) or len(sharding.spec) <= dim:
-      return None
-    found.add((sharding.mesh, _axes(sharding.spec[dim])))
-  if len(found) != 1:
-    return None
-  mesh, axes = found.pop()
-  if not isinstance(mesh, jax.sharding.Mesh):
-    return None
-  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-  if not axes or any(types[a] != AxisType.Explicit for a in axes):
-    return None
-  if math.prod(mesh.shape[a] for a in axes) == 1:  # Nothing to reduce.
-    return None
-  for leaf in jax.tree.leaves(params):
-    sharding = getattr(leaf, "sharding", None)
-    if not isinstance(sharding, NamedSharding) or sharding.mesh != mesh:
-      return None
-    if set(_placement.split_over(leaf)) & set(axes):
-      return None
-  return DeferredLayout(mesh, axes)
 
 
 def choose_leaves(

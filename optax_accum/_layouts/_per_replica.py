@@ -27,8 +27,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._core import _checks, _placement, _reduction, _window
-from optax_accum._core._checks import axes as _axes
-from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import MultiStepsState, StoredNode
 from optax_accum._core._window import Names
 from optax_accum._layouts._protocol import (
@@ -187,53 +185,6 @@ class PerReplicaLayout(Layout):
 
   def outside(self, acc: Any) -> PerReplica:
     return PerReplica(acc, self.axes)
-
-
-def for_call(
-  axis_name: AxisName, params: Any, batch: Any, *, scan: bool
-) -> PerReplicaLayout:
-  """The layout of ``batch`` split over ``axis_name``; ``ValueError`` unless each
-  batch leaf's rows are split over exactly it and no params leaf is."""
-  axes = _axes(axis_name)
-  dim = 1 if scan else 0
-  meshes = set()
-  for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-    sharding = getattr(leaf, "sharding", None)
-    spec = sharding.spec if isinstance(sharding, NamedSharding) else ()
-    got = _axes(spec[dim]) if len(spec) > dim else ()
-    if got != axes:
-      raise ValueError(
-        f"`axis_name` {axis_name!r} outside shard_map: the step sums each "
-        "replica's gradient once per window, so every batch leaf must be a "
-        f"jax.Array split over {axis_name!r} along its "
-        f"{'second (rows) axis in scan mode' if scan else 'rows (first axis)'};"
-        f" batch{jax.tree_util.keystr(path)} is split over {got or 'nothing'}. "
-        f"Place it with jax.device_put(batch, NamedSharding(mesh, "
-        f"P({'None, ' if scan else ''}{axis_name!r}))), or drop axis_name."
-      )
-    meshes.add(sharding.mesh)  # type: ignore[union-attr]
-  if len(meshes) != 1:
-    raise ValueError(f"The batch's leaves lie on {len(meshes)} different meshes.")
-  mesh = meshes.pop()
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    split = set(_placement.split_over(leaf)) & set(axes)
-    if split:
-      raise ValueError(
-        f"params{jax.tree_util.keystr(path)} is split over the data axis "
-        f"{sorted(split)[0]!r} (FSDP, ZeRO): a per-replica partial sum would "
-        "need a whole copy of it on every device. Drop axis_name: under "
-        "plain jit XLA then reduce-scatters each micro-batch's gradient."
-      )
-  return PerReplicaLayout(mesh, axes)
-
-
-def for_init(
-  params: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...]
-) -> PerReplicaLayout | None:
-  """``step.init``'s layout with ``axis_name`` ``axes`` on ``mesh``: ``None``
-  where a param is split over them (FSDP: the step reduces per micro-batch)."""
-  split = {a for p in jax.tree.leaves(params) for a in _placement.split_over(p)}
-  return None if split & set(axes) else PerReplicaLayout(mesh, axes)
 
 
 def _check_params(params: Any, sums: Any, terms: Names) -> None:

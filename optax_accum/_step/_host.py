@@ -20,12 +20,10 @@ from optax_accum._layouts import (
   ONE_SUM,
   Layout,
   choose_leaves,
-  deferred_for_call,
-  deferred_for_init,
+  layout_for_call,
+  layout_for_init,
   micro_batch_like,
   of,
-  replicas_for_call,
-  replicas_for_init,
 )
 from optax_accum._step._programs import Bodies, Inputs, Pair, counters, programs
 
@@ -84,43 +82,12 @@ class Host:
   def _data_layout(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
   ) -> Layout | None:
-    """The per-replica layout of a call on a mesh, if it has one."""
-    if self._replica_axes:
-      named = self.bodies.config.axis_name or ()  # As the user wrote it.
-      return replicas_for_call(named, params, batch, scan=self.scan)
-    return self._deferred_layout(params, opt_state, batch, rng)
-
-  def init_layout(self, params: Any) -> Layout:
-    """``step.init``'s layout: on a mesh, partial sums over ``axis_name`` or else the
-    ``Explicit`` axes no param is split over; else one sum."""
-    mesh = mesh_of(params)
-    layout = None if mesh is None else self._init_per_replica(params, mesh)
-    return layout or ONE_SUM
-
-  def _init_per_replica(self, params: Any, mesh: Any) -> Layout | None:
-    if self._replica_axes:
-      return replicas_for_init(params, mesh, self._replica_axes)
-    return deferred_for_init(params, mesh, self.bodies.config)
-
-  def on_one_sum(self, params: Any, inner: Any, batch: Any) -> bool:
-    """Whether an empty-window call runs on one sum: traced or no mesh."""
-    if traced(params, inner, batch):
-      return True
-    return mesh_of(params, batch) is None and not self._replica_axes
-
-  @property
-  def _replica_axes(self) -> tuple[str, ...]:
-    """The step's ``axis_name`` as a tuple (``()`` for none)."""
-    return _checks.axes(self.bodies.config.axis_name)
-
-  def _deferred_layout(
-    self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
-  ) -> Layout | None:
-    """The deferred layout this call allows, or ``None``; chosen once per avals."""
+    """The per-replica layout of a call on a mesh, if it has one; a deferred
+    one's leaves chosen once per avals."""
     config = self.bodies.config
-    layout = deferred_for_call(params, batch, config, scan=self.scan)
-    if layout is None:
-      return None
+    layout: Any = layout_for_call(params, batch, config, scan=self.scan)
+    if layout is None or self._replica_axes:
+      return layout
     key = (layout, *map(avals, (params, batch)), rng is None)
     if key not in self._chosen:
       sums = jax.eval_shape(self.bodies.optimizer.init, params).acc_grads
@@ -138,6 +105,21 @@ class Host:
 
       self._chosen[key] = choose_leaves(layout, fits, params)
     return self._chosen[key]
+
+  def init_layout(self, params: Any) -> Layout:
+    """``step.init``'s layout (``_layouts._choice.for_init``)."""
+    return layout_for_init(params, self.bodies.config)
+
+  def on_one_sum(self, params: Any, inner: Any, batch: Any) -> bool:
+    """Whether an empty-window call runs on one sum: traced or no mesh."""
+    if traced(params, inner, batch):
+      return True
+    return mesh_of(params, batch) is None and not self._replica_axes
+
+  @property
+  def _replica_axes(self) -> tuple[str, ...]:
+    """The step's ``axis_name`` as a tuple (``()`` for none)."""
+    return _checks.axes(self.bodies.config.axis_name)
 
   def programs(self, layout: Layout) -> Pair:
     """The accumulate and update programs for one accumulator layout."""

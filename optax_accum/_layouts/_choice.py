@@ -1,0 +1,137 @@
+"""Which layout a train step lays a state out in, written once: at
+``step.init`` (:func:`for_init`) or for a state the step did not return
+(:func:`for_call`); the step keeps it after.
+
+With ``axis_name`` under plain ``jit``: per-replica partial sums over its axes
+(:class:`~optax_accum._layouts._per_replica.PerReplicaLayout`). Without, on an
+``Explicit`` mesh: deferred partial sums over the ``Explicit`` axes that split
+the rows and no param (:class:`~optax_accum._layouts._deferred.DeferredLayout`).
+Else one sum. Params split over the data axes (FSDP, ZeRO) keep one sum: a
+partial sum would need a whole copy of each on every device.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, NamedSharding
+
+from optax_accum._core import _placement
+from optax_accum._core._checks import axes as _axes
+from optax_accum._core._state import MultiStepsConfig
+from optax_accum._layouts._deferred import DeferredLayout
+from optax_accum._layouts._one_sum import ONE_SUM
+from optax_accum._layouts._per_replica import PerReplicaLayout
+from optax_accum._layouts._protocol import Layout
+
+
+def for_init(params: Any, config: MultiStepsConfig) -> Layout:
+  """``step.init``'s layout for ``params`` (their mesh decides)."""
+  mesh = _placement.mesh_of(params)
+  if mesh is None:
+    return ONE_SUM
+  split = _split(params)
+  axes = _axes(config.axis_name)
+  if axes:
+    return ONE_SUM if split & set(axes) else PerReplicaLayout(mesh, axes)
+  if not defers(config):
+    return ONE_SUM
+  free = tuple(a for a in _explicit(mesh) if a not in split)
+  if _replicas(mesh, free) <= 1:
+    return ONE_SUM
+  return DeferredLayout(mesh, free, (False,) * len(jax.tree.leaves(params)))
+
+
+def for_call(
+  params: Any, batch: Any, config: MultiStepsConfig, *, scan: bool
+) -> Layout | None:
+  """The partial sums of a call whose ``batch`` rows are split over data axes,
+  or ``None``; deferred leaves not chosen yet (``choose_leaves``). With
+  ``axis_name`` a ``ValueError`` unless each batch leaf's rows are split over
+  exactly its axes and no param is."""
+  dim = 1 if scan else 0
+  rows = [
+    (path, getattr(leaf, "sharding", None))
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]
+  ]
+  found: set[tuple[Any, tuple[str, ...]]] = {
+    (s.mesh, _rows(s, dim)) for _, s in rows if isinstance(s, NamedSharding)
+  }
+  axes = _axes(config.axis_name)
+  if axes:
+    for path, sharding in rows:
+      got = _rows(sharding, dim) if isinstance(sharding, NamedSharding) else ()
+      if got != axes:
+        raise ValueError(_not_split(config.axis_name, path, got, scan))
+    if len(found) != 1:
+      raise ValueError(f"The batch's leaves lie on {len(found)} different meshes.")
+    mesh = found.pop()[0]
+    for path, param in jax.tree_util.tree_flatten_with_path(params)[0]:
+      both = set(_placement.split_over(param)) & set(axes)
+      if both:
+        raise ValueError(_fsdp(path, sorted(both)[0]))
+    return PerReplicaLayout(mesh, axes)
+  whole = all(isinstance(s, NamedSharding) and len(s.spec) > dim for _, s in rows)
+  if not defers(config) or not whole or len(found) != 1:
+    return None
+  mesh, axes = found.pop()
+  if not isinstance(mesh, jax.sharding.Mesh) or not axes:
+    return None
+  if set(axes) - set(_explicit(mesh)) or _replicas(mesh, axes) == 1:
+    return None  # Auto axes have no ``reduced`` type; one device, nothing to add.
+  for param in jax.tree.leaves(params):
+    sharding = getattr(param, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or sharding.mesh != mesh:
+      return None
+    if set(_placement.split_over(param)) & set(axes):
+      return None  # FSDP's gradients are reduce-scattered.
+  return DeferredLayout(mesh, axes)
+
+
+def defers(config: MultiStepsConfig) -> bool:
+  """Whether ``config`` can defer: ``"skip_micro_batch"`` checks and
+  ``noise_scale`` measures each micro-batch's whole gradient."""
+  return config.on_nonfinite != "skip_micro_batch" and not config.noise_scale
+
+
+def _rows(sharding: NamedSharding, dim: int) -> tuple[str, ...]:
+  """The mesh axes a batch leaf's rows (dimension ``dim``) are split over."""
+  spec = sharding.spec
+  return _axes(spec[dim]) if len(spec) > dim else ()
+
+
+def _split(params: Any) -> set[str]:
+  """The mesh axes any param is split over."""
+  return {a for p in jax.tree.leaves(params) for a in _placement.split_over(p)}
+
+
+def _explicit(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
+  types = zip(mesh.axis_names, mesh.axis_types, strict=True)
+  return tuple(a for a, t in types if t == AxisType.Explicit)
+
+
+def _replicas(mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> int:
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def _not_split(axis_name: Any, path: Any, got: tuple[str, ...], scan: bool) -> str:
+  return (
+    f"`axis_name` {axis_name!r} outside shard_map: the step sums each "
+    "replica's gradient once per window, so every batch leaf must be a "
+    f"jax.Array split over {axis_name!r} along its "
+    f"{'second (rows) axis in scan mode' if scan else 'rows (first axis)'};"
+    f" batch{jax.tree_util.keystr(path)} is split over {got or 'nothing'}. "
+    f"Place it with jax.device_put(batch, NamedSharding(mesh, "
+    f"P({'None, ' if scan else ''}{axis_name!r}))), or drop axis_name."
+  )
+
+
+def _fsdp(path: Any, axis: str) -> str:
+  return (
+    f"params{jax.tree_util.keystr(path)} is split over the data axis "
+    f"{axis!r} (FSDP, ZeRO): a per-replica partial sum would "
+    "need a whole copy of it on every device. Drop axis_name: under "
+    "plain jit XLA then reduce-scatters each micro-batch's gradient."
+  )
