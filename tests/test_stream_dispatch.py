@@ -91,7 +91,7 @@ def test_the_memo_never_disagrees_with_the_device(config, seed, monkeypatch):
     batch = _batch(rng)
     end_window = bool(rng.random() < 0.15)
     known = step._known
-    hit = known is not None and known.describes(state)
+    hit = known is not None and known.returned(state)
     misses += not hit
     new_params, new_state, metrics = step(params, state, batch, end_window=end_window)
     want_params, want_state, want_metrics = in_graph(params, state, batch, end_window)

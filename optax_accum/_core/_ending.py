@@ -31,8 +31,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_accum._core import _backend, _window
-from optax_accum._core import _transitions as ms
+from optax_accum._core import _backend, _transitions, _window
 from optax_accum._core._state import MultiStepsConfig, MultiStepsState
 
 
@@ -70,9 +69,9 @@ def end(
     apply_to_params: Return ``params`` with the updates applied (in place
       where the backend allows) rather than the updates.
   """
-  divides, window = config.divides, ms.window_of(config, added)
+  divides, window = config.divides, _transitions.window_of(config, added)
   positive = ends & _window.has_weight(window)
-  summed = ms.window_of(config, added._replace(acc_grads=sums))
+  summed = _transitions.window_of(config, added._replace(acc_grads=sums))
 
   groups = _backend.norm_groups(like)
 
@@ -93,7 +92,7 @@ def end(
     with_inner = added._replace(inner_opt_state=inner)
     # The params the cond updates, its operand: closed over, they would need a copy.
     now = target if apply_to_params else params
-    new, inner = ms.run_inner(config, opt, grads, with_inner, now, extra_args)
+    new, inner = _transitions.run_inner(config, opt, grads, with_inner, now, extra_args)
     target = optax.apply_updates(target, new) if apply_to_params else new
     return target, inner, jnp.sqrt(squares)
 
@@ -105,7 +104,7 @@ def end(
   target, inner, norm = _backend.once_if(applies, update, carry)
   if config.noise_scale:  # Over a model axis' shards of the window's gradient.
     squares = reduction.over_shards(squares, added.acc_weight)
-  state = ms.closed(
+  state = _transitions.closed(
     config, added, ends, nonfinite, applies, inner, divided_loss=loss, squares=squares
   )
   return Ending(target, state, norm)

@@ -12,10 +12,11 @@ from optax_accum._layouts._one_sum import ONE_SUM
 from optax_accum._layouts._packed import Packed
 from optax_accum._layouts._per_replica import PerReplica, PerReplicaLayout
 from optax_accum._layouts._protocol import (
+  Body,
   Layout,
   Sharded,
   carried,
-  of,
+  layout_of,
   register,
   relayout,
   renamed,
@@ -30,6 +31,7 @@ layout_for_call = _choice.for_call
 
 __all__ = (
   "ONE_SUM",
+  "Body",
   "DeferredLayout",
   "Layout",
   "Packed",
@@ -40,8 +42,8 @@ __all__ = (
   "choose_leaves",
   "layout_for_call",
   "layout_for_init",
+  "layout_of",
   "micro_batch_like",
-  "of",
   "register",
   "relayout",
   "renamed",

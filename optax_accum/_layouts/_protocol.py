@@ -6,12 +6,12 @@ never a shape) and how a train step's programs see them. Its class answers
 for the stored node (``holds``, ``to_sum``, ``from_sum``, ``restore_target``);
 an instance (a mesh, axes) builds programs. The base class is the one sum:
 sums laid out as the params, no ``shard_map``. Every other layout registers
-itself (:func:`register`); :func:`of` finds a node's. Nothing outside this
+itself (:func:`register`); :func:`layout_of` finds a node's. Nothing outside this
 layer asks a layout's type.
 
 Examples:
   >>> import jax.numpy as jnp
-  >>> of({"w": jnp.ones(3)}) is Layout
+  >>> layout_of({"w": jnp.ones(3)}) is Layout
   True
 """
 
@@ -28,6 +28,7 @@ from optax_accum._core import _checks, _placement
 from optax_accum._core._state import MultiStepsConfig, MultiStepsState
 from optax_accum._core._window import Names
 
+#: A program body: ``Inputs`` to ``Outputs`` (``_step._programs``).
 Body = Callable[[Any], Any]
 
 
@@ -146,42 +147,42 @@ _KINDS: list[type[Layout]] = []
 
 
 def register(kind: type[Layout]) -> type[Layout]:
-  """Makes ``kind``'s stored node known to :func:`of` and :func:`resume_target`
+  """Makes ``kind``'s stored node known to :func:`layout_of` and :func:`resume_target`
   (a class decorator: a new layout is one file)."""
   if kind not in _KINDS:
     _KINDS.append(kind)
   return kind
 
 
-def of(acc: Any) -> type[Layout]:
+def layout_of(acc: Any) -> type[Layout]:
   """The layout that stores ``acc``: a registered one's, else the one sum."""
   return next((kind for kind in _KINDS if kind.holds(acc)), Layout)
 
 
 def to_sum(acc: Any) -> Any:
   """``acc`` in any layout as one sum (exact but for the partial sums' add)."""
-  return of(acc).to_sum(acc)
+  return layout_of(acc).to_sum(acc)
 
 
 def sum_shapes(acc: Any) -> Any:
   """Shapes of ``acc`` (any layout) as one sum."""
-  return of(acc).sum_shapes(acc)
+  return layout_of(acc).sum_shapes(acc)
 
 
 def convert(acc: Any, target: Any) -> Any:
   """``acc`` (any layout) in ``target``'s layout (``None``: one sum), placed like it."""
   if target is None:
     return to_sum(acc)
-  return of(target).convert(acc, target)
+  return layout_of(target).convert(acc, target)
 
 
 def carried(state: MultiStepsState, given: Any) -> MultiStepsState:
   """A traced call's ``state`` with its sums in ``given``'s layout where a carry
   must keep its type (:meth:`Layout.carried`)."""
   acc = state.acc_grads
-  if of(acc) is of(given):
+  if layout_of(acc) is layout_of(given):
     return state
-  return state._replace(acc_grads=of(given).carried(acc, given))
+  return state._replace(acc_grads=layout_of(given).carried(acc, given))
 
 
 def relayout(state: MultiStepsState, like: MultiStepsState) -> MultiStepsState:

@@ -22,8 +22,8 @@ from optax_accum._layouts import (
   choose_leaves,
   layout_for_call,
   layout_for_init,
+  layout_of,
   micro_batch_like,
-  of,
 )
 from optax_accum._step._programs import Bodies, Inputs, Pair, counters, programs
 
@@ -55,7 +55,7 @@ class Host:
     which takes only per-replica partial sums."""
     in_trace = traced(params, opt_state, batch)
     mesh = None if in_trace else mesh_of(params, batch)
-    kept = of(opt_state.acc_grads).kept(opt_state.acc_grads) if keep else None
+    kept = layout_of(opt_state.acc_grads).kept(opt_state.acc_grads) if keep else None
     if kept is not None and (in_trace or not self._replica_axes):
       opt_state = self.lay_out(opt_state, kept, params)
       if in_trace:
@@ -159,7 +159,7 @@ class Known(NamedTuple):
   layout: Layout = ONE_SUM  # The layout of the state returned.
   acc: Any = None  # The returned state's accumulator node, compared by identity.
 
-  def describes(self, state: MultiStepsState) -> bool:
+  def returned(self, state: MultiStepsState) -> bool:
     """Whether ``state`` is the one returned last: its very counter and acc objects."""
     return (
       state.mini_step is self.mini_step

@@ -16,13 +16,19 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum._core import _checks, _ending, _noise, _reduction, _window
-from optax_accum._core import _transitions as ms
+from optax_accum._core import (
+  _checks,
+  _ending,
+  _noise,
+  _reduction,
+  _transitions,
+  _window,
+)
 from optax_accum._core._backend import compiler_options
 from optax_accum._core._hyperparams import get_hyperparams
 from optax_accum._core._multi_steps import MultiSteps
 from optax_accum._core._state import MultiStepsConfig, MultiStepsState
-from optax_accum._layouts import Layout, Sharded, renamed
+from optax_accum._layouts import Body, Layout, Sharded, renamed
 
 Metrics = dict[str, Any]
 
@@ -50,8 +56,6 @@ class Outputs(NamedTuple):
   metrics: Any
   aux: Any
 
-
-Body = Callable[[Inputs], Outputs]
 
 #: The fields each program donates: those it returns, updated in place.
 ACCUMULATE_DONATES = ("acc",)
@@ -184,7 +188,7 @@ def counters(state: MultiStepsState) -> MultiStepsState:
   return state._replace(inner_opt_state=None, acc_grads=None)
 
 
-def joined(counters: MultiStepsState, inner: Any, acc: Any) -> MultiStepsState:
+def whole(counters: MultiStepsState, inner: Any, acc: Any) -> MultiStepsState:
   """The state :func:`counters` split, whole again."""
   return counters._replace(inner_opt_state=inner, acc_grads=acc)
 
@@ -213,7 +217,7 @@ def metrics(
   lr: Any,
 ) -> Metrics:
   """The step's metrics (per term under ``"terms"``); never reads the sums."""
-  window = ms.window_of(config, without_sums(config, added))
+  window = _transitions.window_of(config, without_sums(config, added))
   out: Metrics = {
     "loss": loss,
     "weight": _window.weight(window),
@@ -358,7 +362,7 @@ class Bodies:
     grads, value, weight, aux = self._grads(
       params, batch, rng, state.micro_batches_seen
     )
-    added, counted = ms.add_micro_batch(
+    added, counted = _transitions.add_micro_batch(
       self.config,
       state,
       grads,
@@ -373,7 +377,7 @@ class Bodies:
 
   def accumulate(self, inputs: Inputs) -> Outputs:
     """Adds a micro-batch that cannot end the window."""
-    state = joined(inputs.counters, None, inputs.acc)
+    state = whole(inputs.counters, None, inputs.acc)
     added, _, aux = self._add(inputs.params, state, inputs.batch, inputs.rng)
     loss = self.optimizer.window_loss(added)
     # Typed as the update's norm: the window weight's dtype.
@@ -384,21 +388,21 @@ class Bodies:
   def update(self, inputs: Inputs) -> Outputs:
     """Adds a micro-batch and ends the window if it is full or ``end_window``."""
     params = inputs.params
-    state = joined(inputs.counters, inputs.inner, inputs.acc)
+    state = whole(inputs.counters, inputs.inner, inputs.acc)
     added, counted, aux = self._add(params, state, inputs.batch, inputs.rng)
     return self._ended(added, counted, inputs.end_window, params)._replace(aux=aux)
 
   def ending(self, inputs: Inputs) -> Outputs:
     """:meth:`update`'s second half, after :meth:`accumulate`; only where every
     micro-batch counts (it skips ``should_skip_update_fn``)."""
-    added = joined(inputs.counters, inputs.inner, inputs.acc)
+    added = whole(inputs.counters, inputs.inner, inputs.acc)
     return self._ended(added, jnp.array(True), inputs.end_window, inputs.params)
 
   def _ended(
     self, added: MultiStepsState, counted: Any, end_window: Any, params: Any
   ) -> Outputs:
     """The window of ``added`` ended if it is full or ``end_window``."""
-    ends = ms.window_ends(self.config, added, counted, end_window)
+    ends = _transitions.window_ends(self.config, added, counted, end_window)
     window = self.reduction.window_gradient(added.acc_grads)
     summed = added._replace(acc_grads=window)
     params, inner, counters_, out = self._end(summed, ends, params)
@@ -426,7 +430,7 @@ class Bodies:
       added, _, aux = self._add(params, state, micro_batch, inputs.rng, loop)
       return added, aux
 
-    added, auxs = jax.lax.scan(body, joined(inputs.counters, None, start), batch)
+    added, auxs = jax.lax.scan(body, whole(inputs.counters, None, start), batch)
     partial_sums = added.acc_grads
     window = loop.window_gradient(partial_sums)
     if axes and not partial and not empty:

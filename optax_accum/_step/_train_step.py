@@ -34,9 +34,9 @@ from optax_accum._step._programs import (
   Outputs,
   TwoPrograms,
   counters,
-  joined,
   learning_rate,
   metrics,
+  whole,
 )
 
 Mode = Literal["stream", "scan"]
@@ -240,7 +240,7 @@ class TrainStep:
     """What the host knows of ``opt_state`` (read where not), params and state
     as this call runs them, and whether the step returned the state last."""
     known = self._known
-    hit = known is not None and known.describes(opt_state)
+    hit = known is not None and known.returned(opt_state)
     if known is None or not hit:
       params, opt_state, layout = self._arranged(params, opt_state, batch, rng)
       known = Known(
@@ -336,7 +336,7 @@ class TrainStep:
       params, opt_state = _unaliased((params, opt_state), (batch, rng))
     inputs = _inputs(params, opt_state, batch, rng)._replace(end_window=end_window)
     out = self._host.programs(layout).update(inputs)
-    return out.params, joined(out.counters, out.inner, out.acc), self._metrics(out)
+    return out.params, whole(out.counters, out.inner, out.acc), self._metrics(out)
 
   def _run_accumulate(
     self,
@@ -353,7 +353,7 @@ class TrainStep:
       acc = _unaliased(acc, (params, opt_state.inner_opt_state, batch, rng))
     inputs = Inputs(params, None, acc, counters(opt_state), batch, rng)
     out = self._host.programs(layout).accumulate(inputs)
-    state = joined(out.counters, opt_state.inner_opt_state, out.acc)
+    state = whole(out.counters, opt_state.inner_opt_state, out.acc)
     # The counters are never donated: the metrics can share them.
     loss, grad_norm = out.metrics["loss"], out.metrics["grad_norm"]
     config = self._bodies.config
