@@ -16,7 +16,7 @@ import numpy as np
 
 from optax_accum._core import _placement
 from optax_accum._core._state import StoredNode
-from optax_accum._layouts import ONE_SUM, Layout, register, saved_as, to_sum
+from optax_accum._layouts import Layout, register, saved_as, to_sum
 
 
 @functools.partial(
@@ -80,9 +80,6 @@ class FlatLayout(Layout):
 
   def outside(self, acc: Any) -> Flat:
     return Flat(tuple(jax.tree.leaves(acc)), self.treedef)
-
-  def two_programs(self, config: Any) -> bool:
-    return ONE_SUM.two_programs(config)  # The backend's choice, as one sum's.
 
 
 def flat(acc: Any) -> Flat:

@@ -150,7 +150,7 @@ def test_a_layout_in_one_file_restores_mid_window_with_orbax(run, tmp_path):
 
 
 @pytest.mark.parametrize("two", [True, False])
-def test_the_builder_asks_the_layout_whether_a_window_ends_in_two_programs(two):
+def test_the_builder_asks_the_backend_whether_a_window_ends_in_two_programs(two):
   model = accumulation.many_leaves(4, 8, 2)
   opt = optax_accum.MultiSteps(optax.sgd(0.1), K)
   step = optax_accum.make_train_step(model["loss_fn"], opt)

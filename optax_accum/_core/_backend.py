@@ -66,6 +66,16 @@ _BACKENDS = {
 _DEFAULT = Backend()
 
 
+def two_programs(config: Any, plain: bool) -> bool:
+  """Whether a streamed window ends in two programs (accumulate, then the end
+  alone): where the backend says so, for ``plain`` programs (no ``shard_map``,
+  the step's own reduction) and where every micro-batch counts (no
+  ``should_skip_update_fn`` of ``config``, a ``MultiStepsConfig``)."""
+  if not plain or config.should_skip_update_fn is not None:
+    return False
+  return of(jax.default_backend()).two_programs
+
+
 def of(platform: str) -> Backend:
   """The choices for ``platform`` (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``)."""
   return _BACKENDS.get(platform, _DEFAULT)

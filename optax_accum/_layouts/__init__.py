@@ -8,10 +8,10 @@ from optax_accum._layouts._deferred import (
   choose_leaves,
   micro_batch_like,
 )
-from optax_accum._layouts._one_sum import ONE_SUM
 from optax_accum._layouts._packed import Packed
 from optax_accum._layouts._per_replica import PerReplica, PerReplicaLayout
 from optax_accum._layouts._protocol import (
+  ONE_SUM,
   Body,
   Layout,
   Sharded,

@@ -22,9 +22,8 @@ from optax_accum._core import _placement
 from optax_accum._core._checks import axes as _axes
 from optax_accum._core._state import MultiStepsConfig
 from optax_accum._layouts._deferred import DeferredLayout
-from optax_accum._layouts._one_sum import ONE_SUM
 from optax_accum._layouts._per_replica import PerReplicaLayout
-from optax_accum._layouts._protocol import Layout
+from optax_accum._layouts._protocol import ONE_SUM, Layout
 
 
 def for_init(params: Any, config: MultiStepsConfig) -> Layout:

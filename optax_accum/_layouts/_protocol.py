@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from optax_accum._core import _checks, _placement
-from optax_accum._core._state import MultiStepsConfig, MultiStepsState
+from optax_accum._core._state import MultiStepsState
 from optax_accum._core._window import Names
 
 #: A program body: ``Inputs`` to ``Outputs`` (``_step._programs``).
@@ -101,8 +101,6 @@ class Layout:
     (one sum stays one sum; a packed node becomes one); ``None``: the step
     chooses for the call's devices (per-replica partial sums)."""
     del acc
-    from optax_accum._layouts._one_sum import ONE_SUM  # A subclass: imported late.
-
     return ONE_SUM
 
   # -- in a train step's programs -----------------------------------------------
@@ -137,11 +135,9 @@ class Layout:
     """The program's accumulator as stored."""
     return acc
 
-  def two_programs(self, config: MultiStepsConfig) -> bool:
-    """Whether a streamed window ends in two programs (accumulate, ending)."""
-    del config
-    return False
 
+#: The one sum: sums laid out as the params, the step's own reduction.
+ONE_SUM = Layout()
 
 _KINDS: list[type[Layout]] = []
 

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._core import (
+  _backend,
   _checks,
   _ending,
   _noise,
@@ -513,6 +514,7 @@ def programs(layout: Layout, bodies: Bodies, *, scan: bool, donate: bool) -> Pai
 
   accumulate = program(bodies.accumulate, ACCUMULATE_DONATES)
   update = program(bodies.scan if scan else bodies.update, UPDATE_DONATES, window=scan)
-  if not scan and layout.two_programs(bodies.config):
+  plain = policy is None and layout.sharded(False) is None
+  if not scan and _backend.two_programs(bodies.config, plain):
     update = TwoPrograms(accumulate, program(bodies.ending, UPDATE_DONATES), update)
   return Pair(accumulate, update)
