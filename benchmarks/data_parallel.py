@@ -103,8 +103,10 @@ def bench(
   else:
     run = step
   batch = jax.device_put(batch, NamedSharding(mesh, rows_spec))
-  state = opt.init(params)
-  params, state, _ = run(params, state, batch)  # Arranges the state's layout.
+  # The step's own layout (the step keeps a state's: opt.init's one sum would
+  # reduce every micro-batch); in your shard_map, the one sum.
+  state = opt.init(params) if in_graph else step.init(params)
+  params, state, _ = run(params, state, batch)  # Compiles.
   if in_graph:  # The whole step traced inside the caller's shard_map.
     lowered = {"scan" if scan else "update": run.lower(params, state, batch)}
   elif scan:

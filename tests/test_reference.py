@@ -536,7 +536,7 @@ def _run_jit_sharded(config, plan, rng, key, explicit=False):
   params = jax.device_put(_params(config, rng), NamedSharding(mesh, P()))
   params0 = jax.tree.map(_seen, params)
   step = _train_step(config, opt, contract=explicit)
-  state = opt.init(params)
+  state = step.init(params)  # Partial sums on an Explicit mesh (opt.init: one sum).
   observed = []
   for (mb,), _ in plan:
     parts = [
