@@ -35,6 +35,7 @@ from optax_accum._core._transitions import (
   add_micro_batch,
   by_term,
   check_extra_args,
+  empty_window,
   window_ends,
   window_of,
 )
@@ -303,7 +304,7 @@ class MultiSteps(_OwnTransformation):
     ``jit`` then compiles once, not again on its second call."""
     _checks.check_trainable_leaves(params, name="params")
     config = self.config
-    window = _window.empty(params, config.accumulator_dtype, config.terms)
+    window = empty_window(config, params)
     gradient_step = jnp.zeros([], jnp.int32)
     skip_state: Any = ()
     if self.config.should_skip_update_fn is not None:

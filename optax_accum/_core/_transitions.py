@@ -39,6 +39,11 @@ def window_of(config: MultiStepsConfig, state: MultiStepsState) -> _window.Terms
   return _window.split(window, config.terms)
 
 
+def empty_window(config: MultiStepsConfig, params: Any) -> _window.Terms:
+  """An empty window for ``params`` (sums in the accumulator dtype, a term each)."""
+  return _window.empty(params, config.accumulator_dtype, config.terms)
+
+
 def with_window(
   config: MultiStepsConfig, state: MultiStepsState, window: _window.Terms
 ) -> MultiStepsState:

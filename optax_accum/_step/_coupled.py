@@ -25,6 +25,7 @@ from optax_accum._step._explained import (
   check_state,
   explained,
 )
+from optax_accum._step._programs import micro_batch_key
 
 
 class CoupledLoss(NamedTuple):
@@ -286,11 +287,7 @@ class CoupledStep:
       return None
     seen = getattr(opt_state, "micro_batches_seen", 0)
 
-    def key(i: jax.Array) -> jax.Array:
-      key = jax.random.fold_in(rng, seen + i)
-      return jax.random.fold_in(key, _reduction.replica_index(axes)) if axes else key
-
-    return jax.vmap(key)(jnp.arange(k))
+    return jax.vmap(lambda i: micro_batch_key(rng, seen + i, axes))(jnp.arange(k))
 
   @explained
   def __call__(

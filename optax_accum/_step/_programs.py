@@ -183,6 +183,14 @@ class TwoPrograms:
     return self.merged.lower(inputs)
 
 
+def micro_batch_key(rng: jax.Array, seen: Any, axes: tuple[str, ...]) -> jax.Array:
+  """The key of the run's ``seen``-th micro-batch: ``fold_in(rng, seen)``,
+  whatever became of the micro-batches before it; each replica draws its own
+  for its own rows (``fold_in`` of its index over ``axes``)."""
+  key = jax.random.fold_in(rng, seen)
+  return jax.random.fold_in(key, _reduction.replica_index(axes)) if axes else key
+
+
 def counters(state: MultiStepsState) -> MultiStepsState:
   """``state`` without its params-sized parts: the counters and window totals,
   never donated (the metrics a step returns can share them)."""
@@ -266,12 +274,7 @@ class Bodies:
     axes = self.reduction.axes
     args: tuple[Any, ...] = (batch,)
     if rng is not None:
-      # The run's n-th micro-batch gets fold_in(rng, n), whatever became of the
-      # micro-batches before it; each replica draws its own for its own rows.
-      key = jax.random.fold_in(rng, seen)
-      if axes:
-        key = jax.random.fold_in(key, _reduction.replica_index(axes))
-      args = (batch, key)
+      args = (batch, micro_batch_key(rng, seen, axes))
     params = self.reduction.cast_params(params)
 
     if self.config.terms is not None:
@@ -422,7 +425,7 @@ class Bodies:
     loop = self.reduction.per_window()
     empty = acc is None
     if empty:
-      window = _window.empty(params, self.config.accumulator_dtype, self.config.terms)
+      window = _transitions.empty_window(self.config, params)
       acc = _window.joined(window, self.config.terms).acc_grads
     own = axes and (empty or not partial)
     start = jax.tree.map(lambda x: loop.own(jnp.zeros_like(x)), acc) if own else acc

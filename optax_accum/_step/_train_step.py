@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from optax_accum._core import _checks, _reduction, _window
+from optax_accum._core import _checks, _reduction
 from optax_accum._core._hyperparams import find_states
 from optax_accum._core._multi_steps import EveryKSchedule, MultiSteps, MultiStepsState
 from optax_accum._core._placement import as_returned, committed, mesh_of, traced
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import check_single_accumulation
-from optax_accum._core._transitions import full, with_window
+from optax_accum._core._transitions import empty_window, full, with_window
 from optax_accum._layouts import ONE_SUM, Layout, carried
 from optax_accum._step._coupled import CoupledLoss, CoupledStep, check_coupled
 from optax_accum._step._explained import (
@@ -231,7 +231,7 @@ class TrainStep:
     if not sums:
       return empty._replace(inner_opt_state=inner)
     config = self.optimizer.config
-    window = _window.empty(params, config.accumulator_dtype, config.terms)
+    window = empty_window(config, params)
     return with_window(config, empty, window)._replace(inner_opt_state=inner)
 
   def _recalled(
