@@ -56,6 +56,8 @@ def main(port: str, process_id: int, out: str, recipe: str) -> None:
   step = optax_accum.make_train_step(loss_fn, opt, axis_name=axis_name)
   explicit = recipe == "explicit"
   with jax.set_mesh(mesh) if explicit else contextlib.nullcontext():
+    if explicit:  # The step's partial sums (it keeps opt.init's one sum).
+      state = optax_accum.relayout(state, step.init(params))
     for update in range(UPDATES):
       batch = toy_lm.make_batch(seed=100 + update, batch=32)
       for micro_batch in toy_lm.split(batch, K):
