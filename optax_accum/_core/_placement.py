@@ -76,7 +76,7 @@ def put(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
   return jax.device_put(x, sharding)
 
 
-def split_over(param: Any) -> tuple[str, ...]:
+def axes_of(param: Any) -> tuple[str, ...]:
   """The mesh axes ``param`` is split over."""
   sharding = getattr(param, "sharding", None)
   if not isinstance(sharding, NamedSharding):

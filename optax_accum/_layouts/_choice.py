@@ -68,7 +68,7 @@ def for_call(
       raise ValueError(f"The batch's leaves lie on {len(found)} different meshes.")
     mesh = found.pop()[0]
     for path, param in jax.tree_util.tree_flatten_with_path(params)[0]:
-      both = set(_placement.split_over(param)) & set(axes)
+      both = set(_placement.axes_of(param)) & set(axes)
       if both:
         raise ValueError(_fsdp(path, sorted(both)[0]))
     return PerReplicaLayout(mesh, axes)
@@ -84,7 +84,7 @@ def for_call(
     sharding = getattr(param, "sharding", None)
     if not isinstance(sharding, NamedSharding) or sharding.mesh != mesh:
       return None
-    if set(_placement.split_over(param)) & set(axes):
+    if set(_placement.axes_of(param)) & set(axes):
       return None  # FSDP's gradients are reduce-scattered.
   return DeferredLayout(mesh, axes)
 
@@ -103,7 +103,7 @@ def _rows(sharding: NamedSharding, dim: int) -> tuple[str, ...]:
 
 def _split(params: Any) -> set[str]:
   """The mesh axes any param is split over."""
-  return {a for p in jax.tree.leaves(params) for a in _placement.split_over(p)}
+  return {a for p in jax.tree.leaves(params) for a in _placement.axes_of(p)}
 
 
 def _explicit(mesh: jax.sharding.Mesh) -> tuple[str, ...]:

@@ -19,7 +19,7 @@ from optax_accum._core import _checks, _reduction
 from optax_accum._core._multi_steps import MultiSteps, MultiStepsState
 from optax_accum._core._placement import traced
 from optax_accum._core._state import check_not_holding
-from optax_accum._step._explained import (
+from optax_accum._step._errors import (
   check_counts_keys,
   check_not_a_train_state,
   check_state,

@@ -20,7 +20,7 @@ from optax_accum._core._state import check_single_accumulation
 from optax_accum._core._transitions import empty_window, full, with_window
 from optax_accum._layouts import ONE_SUM, Layout, carried
 from optax_accum._step._coupled import CoupledLoss, CoupledStep, check_coupled
-from optax_accum._step._explained import (
+from optax_accum._step._errors import (
   check_counts_keys,
   check_restored,
   check_state,
@@ -43,10 +43,10 @@ Mode = Literal["stream", "scan"]
 StepOutput = tuple[optax.Params, MultiStepsState, Metrics]
 
 
-def _unaliased(donated: Any, kept: Any) -> Any:
-  """``donated`` with each array used twice (there or in ``kept``) copied: a
+def _unaliased(donated: Any, read: Any) -> Any:
+  """``donated`` with each array used twice (there or in ``read``) copied: a
   buffer cannot be donated twice, nor donated and read; hand-built states alias."""
-  seen = {id(x) for x in jax.tree.leaves(kept) if isinstance(x, jax.Array)}
+  seen = {id(x) for x in jax.tree.leaves(read) if isinstance(x, jax.Array)}
 
   def fresh(x: Any) -> Any:
     if not isinstance(x, jax.Array):
