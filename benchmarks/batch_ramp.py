@@ -499,6 +499,19 @@ def describe(args: argparse.Namespace) -> dict[str, str]:
   return out
 
 
+STYLE = {"controller": ("k", "-", 2.0), "doubling": ("C1", "-", 1.2)}
+STYLE |= {"switch": ("C4", "--", 1.2), "small": ("C0", "-", 1.2)}
+
+
+def _style(name: str, best: str) -> dict[str, Any]:
+  """A run's colour and line: the best fixed window solid green, the other
+  fixed windows dotted (grey the large one)."""
+  others = {"large": "C7", "fixed-2": "C9", "fixed-8": "C5", "fixed-16": "C7"}
+  fallback = ("C2", "-", 1.6) if name == best else (others.get(name, "C8"), ":", 1.2)
+  color, line, width = STYLE.get(name, fallback)
+  return {"color": color, "ls": line, "lw": width}
+
+
 def plot(
   runs: list[dict[str, Any]],
   names: Sequence[str],
@@ -508,59 +521,52 @@ def plot(
   per: float,
   paths: list[pathlib.Path],
 ) -> None:
+  """Left: the held-out loss on the curve's rows (mean of seeds; the table's
+  final losses are on all the eval rows). Middle: seed ``min``'s windows, the
+  smoothed ``B_simple`` and the branches' critical batch. Right: each run's
+  loss minus the best fixed window's, per seed, averaged."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
   seed = min(r["seed"] for r in runs)
+  # A curve's last point is the final loss, on more rows: left out here.
+  curve = {(r["name"], r["seed"]): np.asarray(r["curve"])[:-1] for r in runs}
+  m = min(len(c) for c in curve.values())
   for n in names:
-    curves = [np.asarray(r["curve"]) for r in runs if r["name"] == n]
-    m = min(len(c) for c in curves)
-    mean = np.mean([c[:m] for c in curves], axis=0)
-    style = "-" if n in ("controller", best, "small", "doubling") else ":"
-    axes[0].plot(mean[:, 0] / 1e6, mean[:, 1], style, label=n)
-    if n == best:
-      base = {r["seed"]: np.asarray(r["curve"])[:, 1] for r in runs if r["name"] == n}
-  for n in names:
-    mine = [r for r in runs if r["name"] == n]
-    m = min(len(r["curve"]) for r in mine)
-    if any(len(base[r["seed"]]) < m for r in mine):
-      continue
-    diff = np.mean(
-      [np.asarray(r["curve"])[:m, 1] - base[r["seed"]][:m] for r in mine], 0
-    )
-    tokens = np.asarray(mine[0]["curve"])[:m, 0] / 1e6
-    axes[2].plot(
-      tokens, diff, "-" if n in ("controller", "doubling", "small") else ":", label=n
-    )
-  (
-    axes[0].set_xlabel("million tokens"),
-    axes[0].set_ylabel("held-out loss (mean of seeds)"),
-  )
-  low = min(min(np.asarray(r["curve"])[:, 1]) for r in runs)
-  axes[0].set_ylim(low - 0.05, low + 1.0), axes[0].legend(fontsize=7)
+    mine = [curve[key][:m] for key in curve if key[0] == n]
+    mean = np.mean(mine, axis=0)
+    axes[0].plot(mean[:, 0] / 1e6, mean[:, 1], label=n, **_style(n, best))
+    pairs = [curve[n, s][:m, 1] - curve[best, s][:m, 1] for x, s in curve if x == n]
+    axes[2].plot(mean[:, 0] / 1e6, np.mean(pairs, 0), label=n, **_style(n, best))
+  low = min(float(c[:, 1].min()) for c in curve.values())
+  axes[0].set_ylim(low - 0.05, low + 0.8), axes[0].legend(fontsize=7)
+  axes[0].set_xlabel("million tokens"), axes[0].set_ylabel("held-out loss (nats/byte)")
+  axes[0].set_title("held-out loss (mean of seeds)", fontsize=9)
   axes[2].axhline(0.0, color="k", lw=0.6)
-  axes[2].set_xlabel("million tokens"), axes[2].set_ylim(-0.15, 0.3)
-  axes[2].set_title(f"held-out loss minus {best}'s (paired, mean of seeds)", fontsize=9)
-  axes[2].legend(fontsize=7)
+  axes[2].set_xlabel("million tokens"), axes[2].set_ylim(-0.05, 0.12)
+  axes[2].set_title(f"minus {best}'s loss (paired per seed, mean)", fontsize=9)
+  axes[2].legend(fontsize=7, ncol=2)
   ax = axes[1]
   for n in ("controller", "doubling", best):
     r = next(r for r in runs if r["name"] == n and r["seed"] == seed)
     w = np.asarray(r["windows"] + [[r["curve"][-1][0], r["windows"][-1][1], 0]])
-    ax.step(w[:, 0] / 1e6, w[:, 1] * per, where="post", label=f"{n} window")
+    style = _style(n, best) | {"ls": "-"}
+    ax.step(w[:, 0] / 1e6, w[:, 1] * per, where="post", label=f"{n} window", **style)
   for n, style in (("controller", "-"), (reference, "--")):
     r = next((r for r in runs if r["name"] == n and r["seed"] == seed), None)
     if r is not None and r["records"]:
       rec = np.asarray([(x["tokens"], x["b_simple"]) for x in r["records"]])
-      ax.plot(rec[:, 0] / 1e6, rec[:, 1], style, lw=0.8, alpha=0.7,
-              label=f"smoothed B_simple ({n})")  # fmt: skip
+      ax.plot(rec[:, 0] / 1e6, rec[:, 1], style, color="C3", lw=0.7, alpha=0.7,
+              label=f"smoothed B_simple ({n}'s windows)")  # fmt: skip
   if cuts:
     ax.plot(
       [c["tokens"] / 1e6 for c in cuts],
       [c["critical_tokens"] for c in cuts],
       "kD",
+      ms=7,
       label="critical batch (branches)",
     )
   ax.set_yscale("log"), ax.set_xlabel("million tokens"), ax.set_ylabel("tokens")
@@ -570,6 +576,31 @@ def plot(
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
   plt.close(fig)
+
+
+def slim(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """What the JSON keeps: each window's record (``B_simple``, its bounds, the
+  target) only for the first seed, the one the plot shows, to 4 digits."""
+  first = min(r["seed"] for r in runs)
+  out = []
+  for r in runs:
+    records = [
+      {k: float(f"{v:.4g}") for k, v in x.items()}
+      for x in (r["records"] if r["seed"] == first else [])
+    ]
+    out.append(r | {"records": records})
+  return out
+
+
+def replot(path: pathlib.Path, paths: list[pathlib.Path]) -> None:
+  """The plot again from a results JSON, without training."""
+  saved = json.loads(path.read_text())
+  a = saved["meta"]["args"]
+  names = run_names(a["windows"])
+  reference = dict(zip(a["windows"], names, strict=False))[a["reference"]]
+  per = a["size"]["rows"] * a["size"]["length"]
+  best = saved["meta"]["best_fixed"]
+  plot(saved["runs"], names, best, saved["branches"], reference, per, paths)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -601,6 +632,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   add("--name", default="batch-ramp", help="the results files' name")
   add("--out", default=str(accumulation.RESULTS))
   add("--docs-plot", default=str(DOCS_PLOT))
+  add("--replot", default=None, help="a results JSON: its plot again, no training")
   args = parser.parse_args(argv)
   args.size = FULL
   if args.smoke:
@@ -634,6 +666,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
   args = parse(argv)
+  if args.replot:
+    docs = [pathlib.Path(args.docs_plot)] if args.docs_plot else []
+    path = pathlib.Path(args.replot)
+    replot(path, [path.with_suffix(".png"), *docs])
+    return {}
   names = run_names(args.windows)
   reused = json.loads(pathlib.Path(args.reuse).read_text()) if args.reuse else None
   trained = [n for n in names if args.runs is None or n in args.runs]
@@ -736,7 +773,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     "tuning": tuned,
     "args": {k: v for k, v in vars(args).items()},
   }
-  saved = {"meta": meta, "summary": table, "branches": cuts, "runs": runs}
+  saved = {"meta": meta, "summary": table, "branches": cuts, "runs": slim(runs)}
   (out / f"{stem}.json").write_text(json.dumps(saved, default=float))
   if fixed and "controller" in chosen and "doubling" in chosen:
     paths = [out / f"{stem}.png"] + (
