@@ -180,11 +180,11 @@ class WindowController:
   ``scale``), a window asks for the next rung :math:`T_+` where
 
   .. math::
-    s \hat B_\mathrm{low} \ge \sqrt{T T_+}
+    s \hat B_\mathrm{low} \geq \sqrt{T T_+}
 
   (the next rung is nearer, on a log scale, to the target the noise scale
   gives than this one), and for the rung below :math:`T_-` where
-  :math:`s \hat B_\mathrm{high} \le \sqrt{T T_-}`. The target moves after
+  :math:`s \hat B_\mathrm{high} \leq \sqrt{T T_-}`. The target moves after
   ``patience`` windows in a row ask the same, counted since it last moved:
   so it changes at most once every ``patience`` windows. An estimate that
   says nothing is no evidence: before two windows are measured, while the
@@ -192,7 +192,7 @@ class WindowController:
   reads inf, as it does while windows are small or on a plateau), or while the
   trace is not. With a constant :math:`B_\mathrm{simple}` the target settles
   on the rung nearest :math:`s B_\mathrm{simple}` (``tests/
-  test_controller_settles.py``): within :math:`\sqrt g` of it, and on it
+  test_controller_settles.py``): within :math:`\sqrt{g}` of it, and on it
   where it is a rung.
 
   ``scale = 0.5``: :math:`B_\text{simple}` estimates McCandlish et al.'s

@@ -104,7 +104,7 @@ def scale_by_adam_in_items(
   :math:`\hat\nu` holds the new window's noise at once. Without it, where
   the noise dominates :math:`g^2` (:math:`E g^2 \approx \sigma^2 / W`),
   :math:`\nu` remembers the old window's noise: after a doubling it is up to
-  twice too large, the steps up to :math:`\sqrt 2` too short, for about
+  twice too large, the steps up to :math:`\sqrt{2}` too short, for about
   :math:`1 / (1 - \beta_2)` reference windows of items. Issue 71 measured
   that cost (``tests/test_window_scaling.py``): on a noisy quadratic a switch
   from 4 to 8 items a window at half the run ended 0.0114 ± 0.0005 above the
