@@ -339,18 +339,6 @@ def test_a_mid_run_orbax_restore_gives_the_same_windows_and_params(tmp_path):
   assert float(got[2].target) == float(want[2].target)
 
 
-def test_the_benchmark_runs(tmp_path):
-  from benchmarks import batch_ramp
-
-  table = batch_ramp.main(
-    ["--seeds", "0", "--budget", "4000", "--out", str(tmp_path), "--docs-plot", ""]
-  )
-  assert set(table) == set(batch_ramp.RUNS)
-  assert table["small"]["updates"][0] > table["large"]["updates"][0]
-  for suffix in ("md", "json", "png"):
-    assert len(list(tmp_path.glob(f"*-batch-ramp.{suffix}"))) == 1
-
-
 class _StateBeforeIssue71(NamedTuple):
   """``WindowControllerState`` as 0.x saved it (no spread, bounds or streak)."""
 
