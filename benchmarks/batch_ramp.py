@@ -33,8 +33,12 @@ What runs:
    fixed doubling schedule (``--doublings``: the window doubles from the small
    one at those shares of the budget, as the batch-size warmup of Merrill et
    al. 2025), ``switch`` (``--switch A B`` at half the budget) and
-   ``controller`` (``WindowController`` between the small and large windows,
-   scan mode's ``choose_k``).
+   ``controller`` (``WindowController`` with its defaults, from
+   ``--controller-min`` micro-batches, the reference window unless given, to
+   the large window; scan mode's ``choose_k``). ``--nu-per-item 0`` runs
+   ``adamw_in_items`` with its second moment per update (before issue 71);
+   ``--runs`` and ``--reuse`` train some runs again beside an earlier run's
+   others; ``--replot`` draws a results JSON's plot again.
 3. **Branches** (Merrill et al. 2025, arXiv 2505.23971): from seed
    ``--seeds[0]``'s small run at each share ``--branch-at`` of the budget,
    ``--branch-share`` of the budget more at each window and each learning-rate
@@ -49,7 +53,7 @@ both of its fixed windows; the branches' critical batch sizes beside the
 smoothed ``B_simple``. Results go to ``benchmarks/results/<machine>-batch-ramp
 .{md,json,png}``, the plot also to ``docs/images/batch_ramp.png``.
 
-  python -m benchmarks.batch_ramp          # the full run (about 40 minutes, 2 cores)
+  python -m benchmarks.batch_ramp          # the full run (34 min on 2 shared cores)
   python -m benchmarks.batch_ramp --smoke  # a tiny model (the tests)
 """
 
