@@ -33,7 +33,7 @@ from optax_accum._progress import (
 )
 from optax_accum._step import CoupledLoss, TrainStep, make_train_step
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = (
   "WINDOW_MICRO_STEPS",
