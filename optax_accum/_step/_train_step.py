@@ -4,7 +4,7 @@ and its host side: which compiled program runs for a call."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,8 @@ from optax_accum._step._errors import (
 )
 from optax_accum._step._host import UNKNOWN, Host, Known, avals
 from optax_accum._step._programs import (
+  ACCUMULATE_DONATES,
+  UPDATE_DONATES,
   Bodies,
   Inputs,
   Metrics,
@@ -41,11 +43,32 @@ from optax_accum._step._programs import (
 
 Mode = Literal["stream", "scan"]
 StepOutput = tuple[optax.Params, MultiStepsState, Metrics]
+ProgramName = Literal["accumulate", "update", "ending"]
 
 
-def _unaliased(donated: Any, read: Any) -> Any:
-  """``donated`` with each array used twice (there or in ``read``) copied: a
-  buffer cannot be donated twice, nor donated and read; hand-built states alias."""
+class Call(NamedTuple):
+  """A call's inputs as its program runs them (``TrainStep._prepared``)."""
+
+  params: Any
+  state: MultiStepsState  # In the call's layout, placed as the programs return it.
+  batch: Any
+  rng: Any
+  end_window: Any  # Streaming's flag; ``None`` in scan mode.
+  layout: Layout
+  known: Known | None = None  # ``None``: nothing to remember (traced, own state).
+  hit: bool = False  # The state the step returned last: its buffers the programs'.
+  given: Any = None  # The given sums: a traced call returns its state in their layout.
+  own: bool = False  # Scan mode on the inner optimizer's own state, whose
+  inner_count: jax.Array | None = None  # update count this is (``None``: none).
+
+
+def _unaliased(inputs: Inputs, donates: tuple[str, ...]) -> Inputs:
+  """``inputs`` with each array in a donated field used twice (there or in the
+  fields read) copied: a buffer cannot be donated twice, nor donated and read;
+  hand-built states alias."""
+  read = [
+    x for name, x in zip(Inputs._fields, inputs, strict=True) if name not in donates
+  ]
   seen = {id(x) for x in jax.tree.leaves(read) if isinstance(x, jax.Array)}
 
   def fresh(x: Any) -> Any:
@@ -56,7 +79,9 @@ def _unaliased(donated: Any, read: Any) -> Any:
     seen.add(id(x))
     return x
 
-  return jax.tree.map(fresh, donated)
+  return inputs._replace(
+    **{n: jax.tree.map(fresh, getattr(inputs, n)) for n in donates}
+  )
 
 
 class TrainStep:
@@ -78,6 +103,9 @@ class TrainStep:
   the device otherwise, so a loop queues step after step without waiting.
   Traced in the caller's ``jit`` or ``scan`` the step runs the update
   program, correct on any micro-step.
+
+  A call prepares its inputs once (:meth:`_prepared`), chooses a program
+  (:meth:`_chosen`), runs it (:meth:`_run`) and returns (:meth:`_returned`).
   """
 
   def __init__(
@@ -113,110 +141,135 @@ class TrainStep:
     *,
     end_window: ArrayLike = False,
   ) -> StepOutput:
-    if self.mode == "scan":
-      return self._whole_window(params, opt_state, batch, rng, end_window)
-    check_state(opt_state)
+    call = self._prepared(params, opt_state, batch, rng, end_window)
+    program, known = self._chosen(call)
+    return self._returned(call, self._run(call, program, known), program, known)
+
+  def _prepared(
+    self, params: Any, opt_state: Any, batch: Any, rng: Any, end_window: Any
+  ) -> Call:
+    """The one place a call's inputs are checked and arranged: scan mode's inner
+    state put into an empty window, a state the step did not return laid out
+    again and placed (``Host.arranged``); the one it returned last runs as it
+    came back, without a tree walk."""
     if end_window is not False:  # Checked on every micro-step, not only the last.
       _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
-    counts = (opt_state.mini_step, opt_state.gradient_step, end_window)
-    if any(isinstance(x, jax.core.Tracer) for x in counts):  # No tree walk.
-      given = opt_state.acc_grads
-      params, opt_state, layout = self._arranged(params, opt_state, batch, rng)
-      params, opt_state, metrics_ = self._run_update(
-        params, opt_state, batch, rng, end_window, layout=layout
-      )
-      return params, carried(opt_state, given), metrics_
-    known, params, opt_state, hit = self._recalled(params, opt_state, batch, rng)
-    value, k = known.counts(opt_state, self.optimizer)
-    ends = bool(end_window) or full(value + 1, k)  # With this micro-batch.
-    if ends:
-      fresh = params is known.params  # Returned by the update program.
-      out = self._run_update(
-        params,
-        opt_state,
-        batch,
-        rng,
-        end_window,
-        check_aliasing=not fresh,
-        layout=known.layout,
-      )
-    else:
-      lr = known.learning_rate
-      lr = jax.tree.map(jnp.copy, learning_rate(opt_state)) if lr is UNKNOWN else lr
-      known = known._replace(learning_rate=lr)
-      out = self._run_accumulate(
-        params, opt_state, batch, rng, lr, check_aliasing=not hit, layout=known.layout
-      )
-    if not isinstance(out[1].mini_step, jax.core.Tracer):  # Traced params or batch.
-      self._remember(known._replace(value=value, k=k), out, ends)
-    return out
-
-  def _whole_window(
-    self, params: Any, opt_state: Any, batch: Any, rng: Any, end_window: Any
-  ) -> tuple[Any, Any, Metrics]:
-    """Scan mode: a whole window; the optimizer's own state comes back as such."""
-    _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
-    if traced(end_window) or bool(end_window):
-      raise ValueError(
-        "`end_window` is for streaming: in scan mode every call ends a window."
-      )
-    check_restored(opt_state)
-    if isinstance(opt_state, MultiStepsState):
-      check_state(opt_state)
-      return self._scanned(params, opt_state, batch, rng)
-    check_counts_keys(opt_state, rng)
-    params, state, layout = self._arranged(params, opt_state, batch, rng)
-    count = _update_count(opt_state)
-    if count is not None:  # The inner state's own count, as the metric's.
-      state = state._replace(gradient_step=count)
-      if not traced(params, state, batch):  # Placed as the programs return it.
-        state = committed(state, (params, batch))
-    params, state, metrics_ = self._run_update(params, state, batch, rng, layout=layout)
-    if count is None:  # Nothing counts updates: no metric rather than 1 each window.
-      metrics_.pop("update_count")
-    return params, state.inner_opt_state, metrics_
-
-  def _scanned(
-    self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
-  ) -> StepOutput:
-    """Scan mode on a ``MultiStepsState``: the state returned last runs in its
-    layout unchecked (its buffers are the programs'); others are arranged."""
-    given = opt_state.acc_grads
-    known, params, opt_state, _ = self._recalled(params, opt_state, batch, rng)
-    fresh = params is known.params  # Returned by the last call.
-    out = self._run_update(
-      params, opt_state, batch, rng, check_aliasing=not fresh, layout=known.layout
-    )
-    if isinstance(out[1].mini_step, jax.core.Tracer):  # The layout it was given.
-      return out[0], carried(out[1], given), out[2]
-    self._remember(known, out, ends=True)
-    return out
-
-  def _arranged(
-    self, params: Any, opt_state: Any, batch: Any, rng: Any
-  ) -> tuple[Any, MultiStepsState, Layout]:
-    """Params and ``opt_state`` as a call runs them, and the layout it runs in:
-    the one place a state is arranged (streaming, scan mode, traced, lower)."""
+      if self.mode == "scan" and (traced(end_window) or bool(end_window)):
+        raise ValueError(
+          "`end_window` is for streaming: in scan mode every call ends a window."
+        )
+    end_window = None if self.mode == "scan" else end_window
     if self.mode == "scan" and not isinstance(opt_state, MultiStepsState):
-      return self._own_window(params, opt_state, batch, rng)
-    return self._host.arranged(params, opt_state, batch, rng)
-
-  def _own_window(
-    self, params: Any, inner: Any, batch: Any, rng: Any
-  ) -> tuple[Any, MultiStepsState, Layout]:
-    """The inner state in an empty window, arranged, and its layout; on one sum
-    the state's sums are ``None`` (they live only inside ``Bodies.scan``)."""
-    if self._host.on_one_sum(params, inner, batch):
-      state = self._around(params, inner, sums=False)
-      if not traced(params, state, batch):
+      check_restored(opt_state)
+      check_counts_keys(opt_state, rng)
+      one_sum = self._host.on_one_sum(params, opt_state, batch)
+      state, count = self._around(params, opt_state, sums=not one_sum)
+      layout = ONE_SUM  # Its sums only inside the program.
+      if not one_sum:  # The step chooses.
+        params, state, layout = self._host.arranged(
+          params, state, batch, rng, keep=False
+        )
+      elif not traced(params, state, batch):
         params, state = committed((params, state), (params, batch))
-      return params, state, ONE_SUM
-    state = self._around(params, inner, sums=True)  # New: the step chooses.
-    return self._host.arranged(params, state, batch, rng, keep=False)
+      return Call(params, state, batch, rng, None, layout, own=True, inner_count=count)
+    check_state(opt_state)
+    counts = (opt_state.mini_step, opt_state.gradient_step, end_window)
+    in_trace = any(isinstance(x, jax.core.Tracer) for x in counts)  # No tree walk.
+    known, given = None if in_trace else self._known, opt_state.acc_grads
+    if known is not None and known.returned(opt_state):
+      args = (params, opt_state, batch, rng, end_window, known.layout, known)
+      return Call(*args, hit=True, given=given)
+    params, state, layout = self._host.arranged(params, opt_state, batch, rng)
+    if not in_trace:  # Else the update program, correct on any micro-step.
+      known = Known(
+        state.mini_step, state.gradient_step, None, None, None, UNKNOWN, layout
+      )
+    return Call(params, state, batch, rng, end_window, layout, known, given=given)
 
-  def _around(self, params: Any, inner: Any, sums: bool) -> MultiStepsState:
+  def _chosen(self, call: Call) -> tuple[ProgramName, Known | None]:
+    """The program a call runs (``"update"`` may end the window), and what the
+    host then knows of the state it was given."""
+    known = call.known
+    if self.mode == "scan" or known is None:
+      return "update", known
+    value, k = known.counts(call.state, self.optimizer)
+    known = known._replace(value=value, k=k)
+    if bool(call.end_window) or full(value + 1, k):  # With this micro-batch.
+      return "update", known
+    lr = known.learning_rate
+    lr = jax.tree.map(jnp.copy, learning_rate(call.state)) if lr is UNKNOWN else lr
+    return "accumulate", known._replace(learning_rate=lr)
+
+  def _program(
+    self, call: Call, name: ProgramName, unalias: bool = False
+  ) -> tuple[Any, Inputs]:
+    """The call's program ``name`` and its inputs (``unalias``: copied where a
+    donated buffer is used twice)."""
+    pair = self._host.programs(call.layout)
+    state = call.state
+    inner, acc = state.inner_opt_state, state.acc_grads
+    inputs = Inputs(call.params, inner, acc, counters(state), call.batch, call.rng)
+    inputs = inputs._replace(end_window=call.end_window)
+    donates = ACCUMULATE_DONATES if name == "accumulate" else UPDATE_DONATES
+    if unalias and not traced(inputs):
+      inputs = _unaliased(inputs, donates)
+    if name == "accumulate":
+      return pair.accumulate, inputs._replace(inner=None, end_window=None)
+    if name == "ending" and isinstance(pair.update, TwoPrograms):
+      ends = inputs._replace(batch=None, rng=None, end_window=False)
+      return pair.update.ending, ends
+    return pair.update, inputs
+
+  def _run(self, call: Call, name: ProgramName, known: Known | None) -> StepOutput:
+    """Runs the call's program ``name``: its params, state and metrics."""
+    returned = call.hit and (
+      name == "accumulate" or call.params is getattr(call.known, "params", None)
+    )
+    program, inputs = self._program(call, name, unalias=self.donate and not returned)
+    out = program(inputs)
+    if name == "update":
+      return out.params, whole(out.counters, out.inner, out.acc), self._metrics(out)
+    state = whole(out.counters, call.state.inner_opt_state, out.acc)
+    # The counters are never donated: the metrics can share them.
+    loss, grad_norm = out.metrics["loss"], out.metrics["grad_norm"]
+    lr = None if known is None else known.learning_rate
+    metrics_ = metrics(self._bodies.config, state, state, loss, grad_norm, lr)
+    return call.params, state, self._metrics(out._replace(metrics=metrics_))
+
+  def _metrics(self, out: Outputs) -> Metrics:
+    """The program's metrics, with ``aux`` where ``loss_fn`` has one."""
+    return {**out.metrics, "aux": out.aux} if self.has_aux else out.metrics
+
+  def _returned(
+    self, call: Call, out: StepOutput, name: ProgramName, known: Known | None
+  ) -> StepOutput:
+    """What the call returns; keeps what the host knows of the returned state."""
+    params, state, metrics_ = out
+    if call.own:  # The optimizer's own state comes back as such.
+      if call.inner_count is None:  # Nothing counts updates: no metric, not 1 a window.
+        metrics_.pop("update_count")
+      return params, state.inner_opt_state, metrics_
+    if isinstance(state.mini_step, jax.core.Tracer):  # The layout it was given.
+      return params, carried(state, call.given), metrics_
+    if known is not None:
+      ends = name == "update"
+      config = self.optimizer.config
+      value = 0 if ends else (known.value or 0) + 1
+      self._known = known._replace(
+        mini_step=state.mini_step,
+        gradient_step=state.gradient_step,
+        acc=state.acc_grads,
+        value=value if config.counts_every_micro_batch else None,
+        k=None if ends and config.constant_k is None else known.k,
+        params=params if ends else known.params,
+        learning_rate=metrics_.get("learning_rate") if ends else known.learning_rate,
+      )
+    return out
+
+  def _around(self, params: Any, inner: Any, sums: bool) -> tuple[MultiStepsState, Any]:
     """The inner state (``tx.init(params)``) in an empty window, sums zeros or
-    ``None``: in scan mode every call is a whole window, nothing else persists."""
+    ``None`` (they live only inside ``Bodies.scan``), counting the updates as
+    the inner state does where it does, and that count (or ``None``)."""
     key = avals(params)
     if key not in self._empty:
       inner_shapes = jax.eval_shape(self.optimizer.inner_opt.init, params)
@@ -224,44 +277,17 @@ class TrainStep:
       with jax.ensure_compile_time_eval():  # Arrays, even in the user's jit.
         empty = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
       self._empty[key] = jax.tree.structure(inner_shapes), empty
-    expected, empty = self._empty[key]  # Counters: read, never donated.
+    expected, state = self._empty[key]  # Counters: read, never donated.
     if jax.tree.structure(inner) != expected:
       check_state(inner)  # Raises: neither a MultiStepsState nor the inner one.
     check_single_accumulation(inner)
-    if not sums:
-      return empty._replace(inner_opt_state=inner)
-    config = self.optimizer.config
-    window = empty_window(config, params)
-    return with_window(config, empty, window)._replace(inner_opt_state=inner)
-
-  def _recalled(
-    self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
-  ) -> tuple[Known, Any, MultiStepsState, bool]:
-    """What the host knows of ``opt_state`` (read where not), params and state
-    as this call runs them, and whether the step returned the state last."""
-    known = self._known
-    hit = known is not None and known.returned(opt_state)
-    if known is None or not hit:
-      params, opt_state, layout = self._arranged(params, opt_state, batch, rng)
-      known = Known(
-        opt_state.mini_step, opt_state.gradient_step, None, None, None, UNKNOWN, layout
-      )
-    return known, params, opt_state, hit
-
-  def _remember(self, known: Known, out: StepOutput, ends: bool) -> None:
-    """Keeps what the host knows of the returned state (``known``: the given's)."""
-    params, opt_state, metrics_ = out
-    config = self.optimizer.config
-    value = 0 if ends else (known.value or 0) + 1
-    self._known = known._replace(
-      mini_step=opt_state.mini_step,
-      gradient_step=opt_state.gradient_step,
-      acc=opt_state.acc_grads,
-      value=value if config.counts_every_micro_batch else None,
-      k=None if ends and config.constant_k is None else known.k,
-      params=params if ends else known.params,
-      learning_rate=metrics_.get("learning_rate") if ends else known.learning_rate,
-    )
+    if sums:
+      config = self.optimizer.config
+      state = with_window(config, state, empty_window(config, params))
+    count = _update_count(inner)
+    if count is not None:  # The inner state's own count, as the metric's.
+      state = state._replace(gradient_step=count)
+    return state._replace(inner_opt_state=inner), count
 
   def init(self, params: optax.Params) -> MultiStepsState:
     """The optimizer state to start a run from: ``self.optimizer.init(params)``
@@ -286,7 +312,7 @@ class TrainStep:
     batch: Any,
     rng: jax.Array | None = None,
     *,
-    program: Literal["accumulate", "update", "ending"] = "update",
+    program: ProgramName = "update",
   ) -> jax.stages.Lowered:
     """Lowers one of the step's programs for these arguments, without running it.
 
@@ -298,73 +324,15 @@ class TrainStep:
     ``"ending"`` the second of those two (the window's end alone; the update
     program where a window ends in one).
     """
-    params, opt_state, layout = self._arranged(params, opt_state, batch, rng)
-    programs = self._host.programs(layout)
-    inputs = _inputs(params, opt_state, batch, rng)
-    if program == "accumulate" and self.mode == "stream":
-      return programs.accumulate.lower(inputs._replace(inner=None))
-    if program == "ending" and isinstance(programs.update, TwoPrograms):
-      ends = inputs._replace(batch=None, rng=None, end_window=False)
-      return programs.update.ending.lower(ends)
-    scan_ending = self.mode == "scan" and program != "update"
-    if program not in ("update", "ending") or scan_ending:
+    names = ("update",) if self.mode == "scan" else ("accumulate", "update", "ending")
+    if program not in names:
       raise ValueError(
         "`program` must be 'update' or, in streaming mode, 'accumulate' or "
         f"'ending'; got {program!r}."
       )
-    end_window = None if self.mode == "scan" else False
-    return programs.update.lower(inputs._replace(end_window=end_window))
-
-  # -- calling the programs ------------------------------------------------
-
-  def _metrics(self, out: Outputs) -> Metrics:
-    """The program's metrics, with ``aux`` where ``loss_fn`` has one."""
-    return {**out.metrics, "aux": out.aux} if self.has_aux else out.metrics
-
-  def _run_update(
-    self,
-    params: Any,
-    opt_state: MultiStepsState,
-    batch: Any,
-    rng: Any,
-    end_window: Any = None,
-    *,
-    check_aliasing: bool = True,
-    layout: Layout = ONE_SUM,
-  ) -> StepOutput:
-    if self.donate and check_aliasing and not traced(params, opt_state):
-      params, opt_state = _unaliased((params, opt_state), (batch, rng))
-    inputs = _inputs(params, opt_state, batch, rng)._replace(end_window=end_window)
-    out = self._host.programs(layout).update(inputs)
-    return out.params, whole(out.counters, out.inner, out.acc), self._metrics(out)
-
-  def _run_accumulate(
-    self,
-    params: Any,
-    opt_state: MultiStepsState,
-    batch: Any,
-    rng: Any,
-    learning_rate: jax.Array | None,
-    check_aliasing: bool = True,
-    layout: Layout = ONE_SUM,
-  ) -> StepOutput:
-    acc = opt_state.acc_grads
-    if self.donate and check_aliasing and not traced(params, acc):
-      acc = _unaliased(acc, (params, opt_state.inner_opt_state, batch, rng))
-    inputs = Inputs(params, None, acc, counters(opt_state), batch, rng)
-    out = self._host.programs(layout).accumulate(inputs)
-    state = whole(out.counters, opt_state.inner_opt_state, out.acc)
-    # The counters are never donated: the metrics can share them.
-    loss, grad_norm = out.metrics["loss"], out.metrics["grad_norm"]
-    config = self._bodies.config
-    metrics_ = metrics(config, state, state, loss, grad_norm, learning_rate)
-    return params, state, self._metrics(out._replace(metrics=metrics_))
-
-
-def _inputs(params: Any, opt_state: MultiStepsState, batch: Any, rng: Any) -> Inputs:
-  """A program's inputs for ``opt_state`` (its inner state, sums and counters)."""
-  inner, acc = opt_state.inner_opt_state, opt_state.acc_grads
-  return Inputs(params, inner, acc, counters(opt_state), batch, rng)
+    call = self._prepared(params, opt_state, batch, rng, False)
+    lowered, inputs = self._program(call, program)
+    return lowered.lower(inputs)
 
 
 def _with_axis_name(optimizer: MultiSteps, axis_name: AxisName | None) -> MultiSteps:
