@@ -55,23 +55,20 @@ class Host:
     which takes only per-replica partial sums."""
     in_trace = traced(params, opt_state, batch)
     mesh = None if in_trace else mesh_of(params, batch)
-    kept = layout_of(opt_state.acc_grads).kept(opt_state.acc_grads) if keep else None
-    if kept is not None and (in_trace or not self._replica_axes):
-      opt_state = self.lay_out(opt_state, kept, params)
-      if in_trace:
-        return params, opt_state, kept
-      if mesh is not None:
-        return (*as_returned((params, opt_state), mesh), kept)
-      return (*committed((params, opt_state), (params, batch)), kept)
-    if in_trace or (mesh is None and not self._replica_axes):
-      opt_state = self.lay_out(opt_state, ONE_SUM)
-      if in_trace:
-        return params, opt_state, ONE_SUM
-      return (*committed((params, opt_state), (params, batch)), ONE_SUM)
+    layout = layout_of(opt_state.acc_grads).kept(opt_state.acc_grads) if keep else None
+    if layout is None or (self._replica_axes and not in_trace):
+      if not in_trace and (mesh is not None or self._replica_axes):  # The devices'.
+        if mesh is not None:
+          params, opt_state = as_returned((params, opt_state), mesh)
+        layout = self._data_layout(params, opt_state, batch, rng) or ONE_SUM
+        return params, self.lay_out(opt_state, layout, params), layout
+      layout = ONE_SUM
+    opt_state = self.lay_out(opt_state, layout, params)
+    if in_trace:
+      return params, opt_state, layout
     if mesh is not None:
-      params, opt_state = as_returned((params, opt_state), mesh)
-    layout = self._data_layout(params, opt_state, batch, rng) or ONE_SUM
-    return params, self.lay_out(opt_state, layout, params), layout
+      return (*as_returned((params, opt_state), mesh), layout)
+    return (*committed((params, opt_state), (params, batch)), layout)
 
   def lay_out(
     self, opt_state: MultiStepsState, layout: Layout, params: Any = None

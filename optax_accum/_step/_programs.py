@@ -28,6 +28,7 @@ from optax_accum._core import (
 from optax_accum._core._backend import compiler_options
 from optax_accum._core._hyperparams import get_hyperparams
 from optax_accum._core._multi_steps import MultiSteps
+from optax_accum._core._placement import traced
 from optax_accum._core._state import MultiStepsConfig, MultiStepsState
 from optax_accum._layouts import Body, Layout, Sharded, renamed
 
@@ -181,6 +182,72 @@ class TwoPrograms:
 
   def lower(self, inputs: Inputs) -> jax.stages.Lowered:
     return self.merged.lower(inputs)
+
+
+def _unaliased(inputs: Inputs, donates: tuple[str, ...]) -> Inputs:
+  """``inputs`` with each array in a donated field used twice (there or in the
+  fields read) copied: a buffer cannot be donated twice, nor donated and read;
+  hand-built states alias."""
+  read = [
+    x for name, x in zip(Inputs._fields, inputs, strict=True) if name not in donates
+  ]
+  seen = {id(x) for x in jax.tree.leaves(read) if isinstance(x, jax.Array)}
+
+  def fresh(x: Any) -> Any:
+    if not isinstance(x, jax.Array):
+      return x
+    if id(x) in seen:
+      return jnp.copy(x)
+    seen.add(id(x))
+    return x
+
+  return inputs._replace(
+    **{n: jax.tree.map(fresh, getattr(inputs, n)) for n in donates}
+  )
+
+
+def select(
+  pair: Pair,
+  name: str,
+  params: Any,
+  state: MultiStepsState,
+  batch: Any,
+  rng: Any,
+  end_window: Any,
+  unalias: bool = False,
+) -> tuple[Any, Inputs]:
+  """``pair``'s program ``name`` (``"accumulate"``, ``"update"``, ``"ending"``:
+  the update program where a window ends in one) and its inputs from
+  ``state`` (``unalias``: each donated array used twice copied)."""
+  inner, acc = state.inner_opt_state, state.acc_grads
+  inputs = Inputs(params, inner, acc, counters(state), batch, rng, end_window)
+  if unalias and not traced(inputs):
+    donates = ACCUMULATE_DONATES if name == "accumulate" else UPDATE_DONATES
+    inputs = _unaliased(inputs, donates)
+  if name == "accumulate":
+    return pair.accumulate, inputs._replace(inner=None, end_window=None)
+  if name == "ending" and isinstance(pair.update, TwoPrograms):
+    return pair.update.ending, inputs._replace(batch=None, rng=None, end_window=False)
+  return pair.update, inputs
+
+
+def run(
+  pair: Pair,
+  name: str,
+  params: Any,
+  state: MultiStepsState,
+  batch: Any,
+  rng: Any,
+  end_window: Any,
+  unalias: bool,
+) -> tuple[Any, MultiStepsState, Outputs]:
+  """Runs :func:`select`'s program: params and state as it returns them (the
+  accumulate program's, params and inner state as given), and its outputs."""
+  program, inputs = select(pair, name, params, state, batch, rng, end_window, unalias)
+  out = program(inputs)
+  if name == "accumulate":
+    return params, whole(out.counters, state.inner_opt_state, out.acc), out
+  return out.params, whole(out.counters, out.inner, out.acc), out
 
 
 def micro_batch_key(rng: jax.Array, seen: Any, axes: tuple[str, ...]) -> jax.Array:

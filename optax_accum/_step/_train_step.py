@@ -28,17 +28,15 @@ from optax_accum._step._errors import (
 )
 from optax_accum._step._host import UNKNOWN, Host, Known, avals
 from optax_accum._step._programs import (
-  ACCUMULATE_DONATES,
-  UPDATE_DONATES,
   Bodies,
-  Inputs,
   Metrics,
   Outputs,
   TwoPrograms,
   counters,
   learning_rate,
   metrics,
-  whole,
+  run,
+  select,
 )
 
 Mode = Literal["stream", "scan"]
@@ -60,28 +58,6 @@ class Call(NamedTuple):
   given: Any = None  # The given sums: a traced call returns its state in their layout.
   own: bool = False  # Scan mode on the inner optimizer's own state, whose
   inner_count: jax.Array | None = None  # update count this is (``None``: none).
-
-
-def _unaliased(inputs: Inputs, donates: tuple[str, ...]) -> Inputs:
-  """``inputs`` with each array in a donated field used twice (there or in the
-  fields read) copied: a buffer cannot be donated twice, nor donated and read;
-  hand-built states alias."""
-  read = [
-    x for name, x in zip(Inputs._fields, inputs, strict=True) if name not in donates
-  ]
-  seen = {id(x) for x in jax.tree.leaves(read) if isinstance(x, jax.Array)}
-
-  def fresh(x: Any) -> Any:
-    if not isinstance(x, jax.Array):
-      return x
-    if id(x) in seen:
-      return jnp.copy(x)
-    seen.add(id(x))
-    return x
-
-  return inputs._replace(
-    **{n: jax.tree.map(fresh, getattr(inputs, n)) for n in donates}
-  )
 
 
 class TrainStep:
@@ -200,41 +176,20 @@ class TrainStep:
     lr = jax.tree.map(jnp.copy, learning_rate(call.state)) if lr is UNKNOWN else lr
     return "accumulate", known._replace(learning_rate=lr)
 
-  def _program(
-    self, call: Call, name: ProgramName, unalias: bool = False
-  ) -> tuple[Any, Inputs]:
-    """The call's program ``name`` and its inputs (``unalias``: copied where a
-    donated buffer is used twice)."""
-    pair = self._host.programs(call.layout)
-    state = call.state
-    inner, acc = state.inner_opt_state, state.acc_grads
-    inputs = Inputs(call.params, inner, acc, counters(state), call.batch, call.rng)
-    inputs = inputs._replace(end_window=call.end_window)
-    donates = ACCUMULATE_DONATES if name == "accumulate" else UPDATE_DONATES
-    if unalias and not traced(inputs):
-      inputs = _unaliased(inputs, donates)
-    if name == "accumulate":
-      return pair.accumulate, inputs._replace(inner=None, end_window=None)
-    if name == "ending" and isinstance(pair.update, TwoPrograms):
-      ends = inputs._replace(batch=None, rng=None, end_window=False)
-      return pair.update.ending, ends
-    return pair.update, inputs
-
   def _run(self, call: Call, name: ProgramName, known: Known | None) -> StepOutput:
     """Runs the call's program ``name``: its params, state and metrics."""
-    returned = call.hit and (
-      name == "accumulate" or call.params is getattr(call.known, "params", None)
-    )
-    program, inputs = self._program(call, name, unalias=self.donate and not returned)
-    out = program(inputs)
+    fresh = call.params is getattr(call.known, "params", None)  # Update's output.
+    unalias = self.donate and not (call.hit and (name == "accumulate" or fresh))
+    pair = self._host.programs(call.layout)
+    args = (call.params, call.state, call.batch, call.rng, call.end_window, unalias)
+    params, state, out = run(pair, name, *args)
     if name == "update":
-      return out.params, whole(out.counters, out.inner, out.acc), self._metrics(out)
-    state = whole(out.counters, call.state.inner_opt_state, out.acc)
+      return params, state, self._metrics(out)
     # The counters are never donated: the metrics can share them.
     loss, grad_norm = out.metrics["loss"], out.metrics["grad_norm"]
     lr = None if known is None else known.learning_rate
     metrics_ = metrics(self._bodies.config, state, state, loss, grad_norm, lr)
-    return call.params, state, self._metrics(out._replace(metrics=metrics_))
+    return params, state, self._metrics(out._replace(metrics=metrics_))
 
   def _metrics(self, out: Outputs) -> Metrics:
     """The program's metrics, with ``aux`` where ``loss_fn`` has one."""
@@ -331,7 +286,8 @@ class TrainStep:
         f"'ending'; got {program!r}."
       )
     call = self._prepared(params, opt_state, batch, rng, False)
-    lowered, inputs = self._program(call, program)
+    args = (call.params, call.state, call.batch, call.rng, call.end_window)
+    lowered, inputs = select(self._host.programs(call.layout), program, *args)
     return lowered.lower(inputs)
 
 
