@@ -43,10 +43,12 @@ def check_weight(weight: ArrayLike | None, *, where: str) -> None:
   """``ValueError`` if ``weight`` is missing: the wrappers have no default."""
   if weight is None:
     raise ValueError(
-      f"{where} needs `weight=`: the number of items (tokens, samples) behind "
-      "this micro-batch's gradient. Without it every micro-batch weighs the same "
-      "and short ones count too much; pass weight=1 if that is what you want "
-      "(optax.MultiSteps' uniform mean)."
+      f"{where} needs `weight=`: the count this micro-batch's loss divides by "
+      "(valid tokens for a token mean, rows for a mean of per-row means, rows x "
+      "length for a mean over all positions; for a loss divided by a constant "
+      "or not at all, MultiSteps(..., grad_reduction='window_mean') and "
+      "weight=1). weight=1 everywhere is optax.MultiSteps' uniform mean, exact "
+      "only where every micro-batch's loss divides by the same count."
     )
 
 

@@ -81,8 +81,9 @@ class TrainState(train_state.TrainState):
 
     Args:
       grads: The micro-batch's gradient, like ``params``.
-      weight: Items behind ``grads`` (required with a :class:`MultiSteps`;
-        optional with a plain optimizer; see the class).
+      weight: The count the micro-batch's loss divides by (tokens for a token
+        mean, rows for a mean of per-row means; required with a
+        :class:`MultiSteps`, optional with a plain optimizer; see the class).
       loss: Optional micro-batch loss: the window's loss is then kept in the
         optimizer state (:func:`optax_accum.get_last_window`) and passed to
         the inner optimizer as ``value``.

@@ -85,8 +85,9 @@ class Optimizer(nnx.Optimizer):
     Args:
       model: The model, updated in place.
       grads: The micro-batch's gradient (``nnx.grad`` of the model).
-      weight: Items behind ``grads`` (required with a :class:`MultiSteps`;
-        optional with a plain optimizer; see the class).
+      weight: The count the micro-batch's loss divides by (tokens for a token
+        mean, rows for a mean of per-row means; required with a
+        :class:`MultiSteps`, optional with a plain optimizer; see the class).
       loss: Optional micro-batch loss: kept as the window's loss and passed
         to the inner optimizer as ``value``.
       end_window: Optional bool: end the window with this micro-batch.
