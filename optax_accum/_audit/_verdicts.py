@@ -125,7 +125,8 @@ def _weight_verdict(e: Evidence) -> Verdict | None:
     return Verdict(
       "ok",
       f"your setup applies the whole batch's gradient, which {w.describe()}; "
-      f"{_told(w)}, which would not give it in optax_accum.MultiSteps",
+      f"{_told(w)}, which would not give it in optax_accum.MultiSteps' "
+      "default step (grad_reduction='mean')",
     )
   return Verdict("FOUND", detail, w.fix())
 
@@ -393,8 +394,11 @@ def _trajectory_problems(
       if off > evidence.steps
       else ""
     )
+    matched = "update 1 matches" if off == 2 else f"updates 1-{off - 1} match"
     return [problem], (
-      f"updates 1-{off - 1} match{restart}: something carried from window to "
-      "window differs (the optimizer state, a count, an accumulator not emptied)"
+      f"{matched}{restart}: something that changes from window to window "
+      "differs (the optimizer state, a count, an accumulator not emptied, or a "
+      "micro-batch of a later window dropped or weighed otherwise: F6 checks "
+      "the first window only)"
     )
   return [problem], _COMPARE_LOOP

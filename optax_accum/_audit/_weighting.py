@@ -181,9 +181,10 @@ class Weighting:
   def _usual(self) -> str:
     """The counts tried, with their values."""
     c = self.counts
-    named = [(self.weight_name, c.weight)]
-    named += [(kind, getattr(c, kind)) for kind in ("rows", "positions")]
-    seen = [f"{name} {counts_text(n)}" for name, n in named if n is not None]
+    named = {self.weight_name: c.weight}  # Each name once: the weight's first.
+    for kind in ("rows", "positions"):
+      named.setdefault(kind, getattr(c, kind))
+    seen = [f"{name} {counts_text(n)}" for name, n in named.items() if n is not None]
     return ", ".join(seen) + " or 1 each"
 
   def fix(self) -> str:
@@ -195,13 +196,14 @@ class Weighting:
         "grad_reduction='window_mean') (its weight only counts items), or divide "
         "the loss by its own item count and pass that count as its weight"
       )
-    mean = "optax_accum.MultiSteps(opt, k) (grad_reduction='mean')"
+    mean = "optax_accum.MultiSteps(opt, k)"  # grad_reduction='mean', the default
     if self.kind == "fitted":
       return (
         "return as loss_fn's weight the number of items the loss is a mean over "
         f"(here in proportion to {counts_text(proportion(self.coefficients))}), "
-        f"and pass it to {mean}: update(grads, state, params, weight=n); a loss "
-        "divided by a constant takes grad_reduction='window_mean'"
+        f"and pass it to {mean}.update(grads, state, params, weight=n) "
+        "(grad_reduction='mean', the default); a loss divided by a constant "
+        "takes grad_reduction='window_mean'"
       )
     name = self.weight_name if self.kind == "weight" else self.kind
     count, var = NOUNS[name]
@@ -210,7 +212,8 @@ class Weighting:
       also = " (or its position count: the same weighting in these micro-batches)"
     return (
       f"pass each micro-batch's {count}{also} as its weight, the count its loss "
-      f"divides by: {mean}.update(grads, state, params, weight={var})"
+      f"divides by: {mean}.update(grads, state, params, weight={var}) "
+      "(grad_reduction='mean', the default)"
     )
 
   def batch_gradient(self, grad_fn: GradFn) -> BatchGradient:
