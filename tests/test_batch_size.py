@@ -165,7 +165,19 @@ def test_end_without_a_noise_measurement_names_the_fix():
     ctl.end(state, {"noise_scale": None})
   with pytest.raises(ValueError, match=r"lacks \['units'\]"):
     ctl.end(state, {"noise_scale": {"squared_norm": 1.0, "trace": 2.0}})
+  with pytest.raises(ValueError, match=r"`metrics` must be the metrics.*got NoneType"):
+    ctl.end(state, None)
   assert float(state.weight) == 20.0  # Nothing changed.
+
+
+def test_add_takes_numpy_scalars_as_jax_device_get_gives_them():
+  """``jax.device_get`` of a scalar is a 0-d NumPy array: a host number."""
+  ctl = _controller()
+  weight, count = jax.device_get(jnp.float32(5.0)), np.asarray(2)
+  state, _ = ctl.add(ctl.init(), weight, micro_batches=count)
+  assert (float(state.weight), int(state.micro_batches)) == (5.0, 2)
+  with pytest.raises(ValueError, match=r"`weight` must be a finite number >= 0"):
+    ctl.add(state, np.asarray(np.inf))
 
 
 def test_streaming_windows_follow_the_rule():

@@ -142,6 +142,14 @@ def _placed(tree: Any, like: Any) -> Any:
   return type(tree)(*jax.device_put(tuple(tree), like.sharding))
 
 
+def _host_scalar(value: Any) -> Any:
+  """A NumPy 0-d array (what ``jax.device_get`` gives) as its Python number;
+  anything else as it is."""
+  if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iuf":
+    return value.item()
+  return value
+
+
 def _positive(name: str, value: Any) -> float:
   if isinstance(value, bool) or not isinstance(value, numbers.Real):
     raise ValueError(f"`{name}` must be a number > 0, got {value!r}.")
@@ -152,6 +160,7 @@ def _positive(name: str, value: Any) -> float:
 
 
 def _count(name: str, value: Any, least: int) -> int:
+  value = _host_scalar(value)
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
     raise ValueError(f"`{name}` must be an integer >= {least}, got {value!r}.")
   if int(value) < least:
@@ -381,6 +390,7 @@ class WindowController:
         "`weight` must be a host number (count the items from the batch before "
         "it goes to the device): reading a JAX array waits for the device."
       )
+    weight = _host_scalar(weight)
     if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
       raise ValueError(f"`weight` must be a finite number >= 0, got {weight!r}.")
     if not (math.isfinite(float(weight)) and float(weight) >= 0):
@@ -412,7 +422,13 @@ class WindowController:
       ValueError: If ``metrics`` hold no noise measurement (an optimizer
         built without ``noise_scale=True``).
     """
-    measured = metrics.get("noise_scale") if isinstance(metrics, Mapping) else None
+    if not isinstance(metrics, Mapping):
+      raise ValueError(
+        "`metrics` must be the metrics of the call that ended the window (a "
+        "train step's, or get_last_window(opt_state)), a dict; got "
+        f"{type(metrics).__name__}."
+      )
+    measured = metrics.get("noise_scale")
     if not isinstance(measured, Mapping):
       found = "absent" if measured is None and "noise_scale" not in metrics else None
       raise ValueError(_NO_NOISE.format(found=found or repr(measured)))
