@@ -13,6 +13,7 @@ import pathlib
 import site
 import subprocess
 import sys
+import tarfile
 import venv
 
 import pytest
@@ -28,6 +29,9 @@ here = pathlib.Path(optax_accum.__file__).resolve()
 assert here.is_relative_to(pathlib.Path(sys.prefix).resolve()), here
 assert (here.parent / "py.typed").is_file()
 assert list((here.parent / "data").glob("*.txt")), "the demo's text is missing"
+from importlib import metadata
+files = [str(f) for f in metadata.files("optax_accum")]
+assert any(f.endswith("LICENSE") for f in files), files
 opt = optax_accum.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
 state = opt.init(jnp.zeros(()))
 _, state = opt.update(jnp.array(1.0), state, weight=1)
@@ -66,6 +70,13 @@ def test_the_built_package_installs_and_runs_in_a_fresh_venv(built, kind, tmp_pa
   _run(*pip, "--no-deps", "--no-index", "--no-build-isolation", built[kind])
   ran = _run(python, "-c", CHECK, cwd=tmp_path)
   assert ran.split() == [optax_accum.__version__, "-2.5"]
+
+
+def test_the_sdist_ships_the_license_and_no_half_test_suite(built):
+  with tarfile.open(built["sdist"]) as sdist:
+    names = [name.split("/", 1)[1] for name in sdist.getnames() if "/" in name]
+  assert "LICENSE" in names and "optax_accum/py.typed" in names
+  assert not [name for name in names if name.startswith("tests/")]
 
 
 def test_the_version_is_the_changelog_s_latest_release():
