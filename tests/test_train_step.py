@@ -822,3 +822,15 @@ def test_scan_from_the_inner_state_passes_no_sums():
   metrics = len(jax.tree.leaves(jax.eval_shape(step, params, inner, window)[2]))
   outputs = len(jax.tree.leaves(compiled.output_shardings))
   assert outputs == len(jax.tree.leaves(expected_out)) + metrics
+
+
+def test_scan_from_the_inner_state_lowers_from_shapes_alone():
+  """``lower`` takes shapes for every argument, the inner state's included
+  (its update count has no value yet), and gives the program a call runs."""
+  tx = optax.adamw(1e-2)
+  step = optax_accum.make_train_step(toy_lm.mean_loss, tx, mode="scan")
+  params = toy_lm.init_params(seed=0)
+  window = split_micro_batches(toy_lm.make_batch(seed=0), 4)
+  shapes = jax.eval_shape(lambda: (params, tx.init(params), window))
+  from_shapes = step.lower(*shapes).as_text()
+  assert from_shapes == step.lower(params, tx.init(params), window).as_text()

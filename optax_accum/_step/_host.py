@@ -149,10 +149,10 @@ class Known(NamedTuple):
 
   mini_step: jax.Array  # The returned state's counters, compared by identity.
   gradient_step: jax.Array
-  value: int | None  # Its value; None where counting depends on the data.
-  k: int | None  # The window's length; None where it must be read.
-  params: Any  # Params the update program returned: fresh, unaliased buffers.
-  learning_rate: Any  # The metric (unchanged until the next update), or UNKNOWN.
+  value: int | None = None  # Its value; None where counting depends on the data.
+  k: int | None = None  # The window's length; None where it must be read.
+  params: Any = None  # Params the update program returned: fresh, unaliased buffers.
+  learning_rate: Any = UNKNOWN  # The metric (unchanged until the next update).
   layout: Layout = ONE_SUM  # The layout of the state returned.
   acc: Any = None  # The returned state's accumulator node, compared by identity.
 

@@ -56,8 +56,8 @@ class Call(NamedTuple):
   known: Known | None = None  # ``None``: nothing to remember (traced, own state).
   hit: bool = False  # The state the step returned last: its buffers the programs'.
   given: Any = None  # The given sums: a traced call returns its state in their layout.
-  own: bool = False  # Scan mode on the inner optimizer's own state, whose
-  inner_count: jax.Array | None = None  # update count this is (``None``: none).
+  own: bool = False  # Scan mode on the inner optimizer's own state, and the
+  inner_count: jax.Array | None = None  # updates it counts (``None``: it counts none).
 
 
 class TrainStep:
@@ -157,9 +157,7 @@ class TrainStep:
       return Call(*args, hit=True, given=given)
     params, state, layout = self._host.arranged(params, opt_state, batch, rng)
     if not in_trace:  # Else the update program, correct on any micro-step.
-      known = Known(
-        state.mini_step, state.gradient_step, None, None, None, UNKNOWN, layout
-      )
+      known = Known(state.mini_step, state.gradient_step, layout=layout)
     return Call(params, state, batch, rng, end_window, layout, known, given=given)
 
   def _chosen(self, call: Call) -> tuple[ProgramName, Known | None]:
@@ -315,8 +313,10 @@ def _update_count(inner: Any) -> jax.Array | None:
   """The update count an inner optimizer's state keeps, if any (int32)."""
   for kind in _COUNTING:
     found = find_states(inner, (kind,))
-    if found:
-      return jnp.asarray(found[0].count, jnp.int32)
+    if found:  # Shapes only (``lower``): the empty window's counter stands in.
+      count = found[0].count
+      shapes = isinstance(count, jax.ShapeDtypeStruct)
+      return None if shapes else jnp.asarray(count, jnp.int32)
   return None
 
 
