@@ -184,13 +184,12 @@ class TwoPrograms:
     return self.merged.lower(inputs)
 
 
-def _unaliased(inputs: Inputs, donates: tuple[str, ...]) -> Inputs:
-  """``inputs`` with each array in a donated field used twice (there or in the
-  fields read) copied: a buffer cannot be donated twice, nor donated and read;
-  hand-built states alias."""
-  read = [
-    x for name, x in zip(Inputs._fields, inputs, strict=True) if name not in donates
-  ]
+def _unaliased(inputs: Inputs, donates: tuple[str, ...], *read: Any) -> Inputs:
+  """``inputs`` with each array in a donated field used twice (there, in the
+  fields read or in ``read``) copied: a buffer cannot be donated twice, nor
+  donated and read; hand-built states alias."""
+  fields = zip(Inputs._fields, inputs, strict=True)
+  read = (*read, *(x for name, x in fields if name not in donates))
   seen = {id(x) for x in jax.tree.leaves(read) if isinstance(x, jax.Array)}
 
   def fresh(x: Any) -> Any:
@@ -220,12 +219,14 @@ def select(
   the update program where a window ends in one) and its inputs from
   ``state`` (``unalias``: each donated array used twice copied)."""
   inner, acc = state.inner_opt_state, state.acc_grads
+  if name == "accumulate":  # Neither the inner state nor the flag.
+    inputs = Inputs(params, None, acc, counters(state), batch, rng)
+    if unalias and not traced(inputs):  # The inner state is read too.
+      inputs = _unaliased(inputs, ACCUMULATE_DONATES, inner)
+    return pair.accumulate, inputs
   inputs = Inputs(params, inner, acc, counters(state), batch, rng, end_window)
   if unalias and not traced(inputs):
-    donates = ACCUMULATE_DONATES if name == "accumulate" else UPDATE_DONATES
-    inputs = _unaliased(inputs, donates)
-  if name == "accumulate":
-    return pair.accumulate, inputs._replace(inner=None, end_window=None)
+    inputs = _unaliased(inputs, UPDATE_DONATES)
   if name == "ending" and isinstance(pair.update, TwoPrograms):
     return pair.update.ending, inputs._replace(batch=None, rng=None, end_window=False)
   return pair.update, inputs

@@ -54,7 +54,8 @@ class Call(NamedTuple):
   end_window: Any  # Streaming's flag; ``None`` in scan mode.
   layout: Layout
   known: Known | None = None  # ``None``: nothing to remember (traced, own state).
-  hit: bool = False  # The state the step returned last: its buffers the programs'.
+  fresh: tuple[str, ...] = ()  # The programs whose donated buffers are programs'
+  # outputs (the state returned last; its params the update program's): no copies.
   given: Any = None  # The given sums: a traced call returns its state in their layout.
   own: bool = False  # Scan mode on the inner optimizer's own state, and the
   inner_count: jax.Array | None = None  # updates it counts (``None``: it counts none).
@@ -80,8 +81,8 @@ class TrainStep:
   Traced in the caller's ``jit`` or ``scan`` the step runs the update
   program, correct on any micro-step.
 
-  A call prepares its inputs once (:meth:`_prepared`), chooses a program
-  (:meth:`_chosen`), runs it (:meth:`_run`) and returns (:meth:`_returned`).
+  A call prepares its inputs once (``_prepared``), chooses a program
+  (``_chosen``), runs it (``_run``) and returns (``_returned``).
   """
 
   def __init__(
@@ -153,8 +154,9 @@ class TrainStep:
     in_trace = any(isinstance(x, jax.core.Tracer) for x in counts)  # No tree walk.
     known, given = None if in_trace else self._known, opt_state.acc_grads
     if known is not None and known.returned(opt_state):
+      fresh = ("accumulate", "update") if params is known.params else ("accumulate",)
       args = (params, opt_state, batch, rng, end_window, known.layout, known)
-      return Call(*args, hit=True, given=given)
+      return Call(*args, fresh, given)
     params, state, layout = self._host.arranged(params, opt_state, batch, rng)
     if not in_trace:  # Else the update program, correct on any micro-step.
       known = Known(state.mini_step, state.gradient_step, layout=layout)
@@ -167,20 +169,17 @@ class TrainStep:
     if self.mode == "scan" or known is None:
       return "update", known
     value, k = known.counts(call.state, self.optimizer)
-    known = known._replace(value=value, k=k)
     if bool(call.end_window) or full(value + 1, k):  # With this micro-batch.
-      return "update", known
+      return "update", known._replace(value=value, k=k)
     lr = known.learning_rate
     lr = jax.tree.map(jnp.copy, learning_rate(call.state)) if lr is UNKNOWN else lr
-    return "accumulate", known._replace(learning_rate=lr)
+    return "accumulate", known._replace(value=value, k=k, learning_rate=lr)
 
   def _run(self, call: Call, name: ProgramName, known: Known | None) -> StepOutput:
     """Runs the call's program ``name``: its params, state and metrics."""
-    fresh = call.params is getattr(call.known, "params", None)  # Update's output.
-    unalias = self.donate and not (call.hit and (name == "accumulate" or fresh))
+    unalias = self.donate and name not in call.fresh
     pair = self._host.programs(call.layout)
-    args = (call.params, call.state, call.batch, call.rng, call.end_window, unalias)
-    params, state, out = run(pair, name, *args)
+    params, state, out = run(pair, name, *call[:5], unalias)
     if name == "update":
       return params, state, self._metrics(out)
     # The counters are never donated: the metrics can share them.
@@ -208,14 +207,15 @@ class TrainStep:
       ends = name == "update"
       config = self.optimizer.config
       value = 0 if ends else (known.value or 0) + 1
-      self._known = known._replace(
-        mini_step=state.mini_step,
-        gradient_step=state.gradient_step,
-        acc=state.acc_grads,
-        value=value if config.counts_every_micro_batch else None,
-        k=None if ends and config.constant_k is None else known.k,
-        params=params if ends else known.params,
-        learning_rate=metrics_.get("learning_rate") if ends else known.learning_rate,
+      self._known = Known(
+        state.mini_step,
+        state.gradient_step,
+        value if config.counts_every_micro_batch else None,
+        None if ends and config.constant_k is None else known.k,
+        params if ends else known.params,
+        metrics_.get("learning_rate") if ends else known.learning_rate,
+        known.layout,
+        state.acc_grads,
       )
     return out
 
