@@ -50,7 +50,14 @@ from optax_accum._audit._terms import (
   term_gradient_fn,
 )
 from optax_accum._audit._verdicts import Evidence, verdicts
-from optax_accum._audit._weighting import Counts, Weighting, combined, find
+from optax_accum._audit._weighting import (
+  Counts,
+  Weighting,
+  combined,
+  find,
+  report_fields,
+  shares,
+)
 from optax_accum._audit._windows import Windows, needs_probe, per_micro_step, windows
 from optax_accum._core import _backend, _checks
 from optax_accum._core._multi_steps import NO_WEIGHT
@@ -185,19 +192,14 @@ def audit(
   )
   check_loss_fn(setup.loss, params, micro[0][0])
   gradients = _gradients(setup, tolerance)
-  first = _first_batch(
-    gradients, params, batches[0], micro[0], tolerance, setup.declared
-  )
-  if first.weighting is not None:  # The rounding allowance: the right weighting.
-    resummed_fn = first.weighting.batch_gradient(gradients.one)
-    gradients = dataclasses.replace(gradients, resummed=resummed_fn)
+  first = _first_batch(gradients, params, batches, micro, tolerance, setup.declared)
+  gradients = _resummed_as(first.weighting, gradients)
   # Updates steps + 1 and steps + 2 (after the restart) reuse the first batches.
   reference, resummed = _whole_batch_runs(setup, gradients, params, batches, micro)
   run = _setup_run(setup, k, params, micro, reference)
   probe, w = _probe_runs(setup, k, steps, first.params32, micro, reference, run)
   fit, term_fit = (None, None) if probe is None else _fit(probe, first, tolerance)
-  lowest = min(jnp.finfo(jnp.result_type(x)).eps for x in jax.tree.leaves(params))
-  trajectory_tol = max(tolerance, 32 * float(lowest))
+  trajectory_tol = _trajectory_tolerance(params, tolerance)
   coupled = _coupling(first, tolerance)
   skip = [] if coupled else rounding_level_leaves(first.whole_grad, first.resummed_grad)
   n = w.compared
@@ -219,12 +221,26 @@ def audit(
     coupled,
     first.weighting,
   )
-  names = leaf_names(params)
-  report = _report(
-    setup.name, first, evidence, [names[i] for i in skip], trajectory_tol
-  )
+  skipped = [leaf_names(params)[i] for i in skip]
+  report = _report(setup.name, first, evidence, skipped, trajectory_tol)
   report.verdicts = verdicts(report, evidence)
   return report
+
+
+def _resummed_as(weighting: Weighting | None, gradients: _Gradients) -> _Gradients:
+  """``gradients`` whose resummed run weighs the micro-batches as the whole
+  batch does (``weighting``): the rounding allowance of the right weighting."""
+  if weighting is None:
+    return gradients
+  return dataclasses.replace(
+    gradients, resummed=weighting.batch_gradient(gradients.one)
+  )
+
+
+def _trajectory_tolerance(params: Any, tolerance: float) -> float:
+  """``tolerance``, or 32 ulps of the params' narrowest dtype where larger."""
+  lowest = min(jnp.finfo(jnp.result_type(x)).eps for x in jax.tree.leaves(params))
+  return max(tolerance, 32 * float(lowest))
 
 
 def _terms_evidence(
@@ -341,11 +357,12 @@ class _FirstBatch:
 def _first_batch(
   gradients: _Gradients,
   params: Any,
-  batch: Any,
-  window: Sequence[Any],
+  batches: Sequence[Any],
+  windows: Sequence[Sequence[Any]],
   tolerance: float,
   declared: str = "weight",
 ) -> _FirstBatch:
+  batch, window = batches[0], windows[0]  # The measurements: the first batch.
   params32 = f32(params)
   terms = weighting = None
   if gradients.of_terms is None:
@@ -452,7 +469,7 @@ def _fit(
   """What the gradient the probe applied in the first window is; with loss
   terms, which terms it weighs otherwise."""
   applied = jax.tree.map(jnp.subtract, first.params32, f32(probe.params[0]))
-  right, declared = _weightings(first.weighting)
+  right, declared = shares(first.weighting)
   fit = fit_gradient(
     applied,
     first.whole_grad,
@@ -465,27 +482,6 @@ def _fit(
   if first.terms is None:
     return fit, None
   return explain(fit, applied, first.terms, tolerance)
-
-
-def _weightings(
-  weighting: Weighting | None,
-) -> tuple[list[float] | None, tuple[list[float], str] | None]:
-  """The whole batch's coefficients (``()`` where it is no combination; ``None``
-  with loss terms: the tokens' shares), and the setup's where they differ."""
-  if weighting is None:
-    return None, None
-  right = [] if weighting.kind == "coupled" else list(weighting.coefficients)
-  if weighting.as_declared:
-    return right, None
-  told = weighting.counts.coefficients(weighting.declared)
-  if told is None:
-    return right, None
-  by = (
-    "grad_reduction='window_mean'"
-    if weighting.declared == "sum"
-    else "loss_fn's weight"
-  )
-  return right, (list(told), by)
 
 
 def _report(
@@ -537,27 +533,8 @@ def _report(
     updates_compared=w.compared,
     tolerance=tolerance,
     **_term_fields(evidence.terms),
-    **_weighting_fields(first.weighting),
+    **report_fields(first.weighting),
   )
-
-
-def _weighting_fields(weighting: Weighting | None) -> dict[str, Any]:
-  """The report's ``weight_name``, ``whole_batch_weighting`` and
-  ``whole_batch_weights``."""
-  if weighting is None:
-    return {}
-  coupled = weighting.kind == "coupled"
-  return {
-    "weight_name": weighting.weight_name,
-    "whole_batch_weighting": weighting.kind
-    if weighting.kind in ("sum", "fitted", "coupled")
-    else weighting.count_name(),
-    "whole_batch_weights": None
-    if coupled
-    else [float(c) for c in weighting.coefficients],
-    "as_declared": weighting.as_declared,
-    "whole_batch_weighs": "" if coupled else weighting.describe(),
-  }
 
 
 def _term_fields(terms: TermsEvidence | None) -> dict[str, Any]:

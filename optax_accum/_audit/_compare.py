@@ -144,19 +144,23 @@ def fit_gradient(
     return GradientFit(
       error, "scaled", c, coefficients, f"the whole batch's gradient {c:.3g} times"
     )
-  if coefficients is not None and len(right):
-    how = (
+  return GradientFit(error, "other", 1.0, coefficients, _other(coefficients, right))
+
+
+def _other(coefficients: list[float] | None, right: Sequence[float]) -> str:
+  """What an applied gradient no known bug explains is, beside the whole
+  batch's weighting (``right``; empty where it is no combination)."""
+  if coefficients is None:
+    return "it is no combination of the window's micro-batch gradients"
+  if len(right):
+    return (
       f"it weighs the micro-batches {_vector(coefficients)}, the whole batch "
       f"{_vector(right)}"
     )
-  elif coefficients is not None:
-    how = (
-      f"it weighs the micro-batches {_vector(coefficients)}; the whole batch's "
-      "gradient is no combination of theirs"
-    )
-  else:
-    how = "it is no combination of the window's micro-batch gradients"
-  return GradientFit(error, "other", 1.0, coefficients, how)
+  return (
+    f"it weighs the micro-batches {_vector(coefficients)}; the whole batch's "
+    "gradient is no combination of theirs"
+  )
 
 
 def _vector(c: Sequence[float]) -> str:

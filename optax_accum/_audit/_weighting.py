@@ -238,6 +238,46 @@ class Weighting:
     return gradient
 
 
+def shares(
+  weighting: Weighting | None,
+) -> tuple[list[float] | None, tuple[list[float], str] | None]:
+  """The whole batch's coefficients (``()`` where it is no combination; ``None``
+  with loss terms: the tokens' shares), and the setup's where they differ."""
+  if weighting is None:
+    return None, None
+  right = [] if weighting.kind == "coupled" else list(weighting.coefficients)
+  if weighting.as_declared:
+    return right, None
+  told = weighting.counts.coefficients(weighting.declared)
+  if told is None:
+    return right, None
+  by = (
+    "grad_reduction='window_mean'"
+    if weighting.declared == "sum"
+    else "loss_fn's weight"
+  )
+  return right, (list(told), by)
+
+
+def report_fields(weighting: Weighting | None) -> dict[str, Any]:
+  """The report's ``weight_name``, ``whole_batch_weighting`` and
+  ``whole_batch_weights``."""
+  if weighting is None:
+    return {}
+  coupled = weighting.kind == "coupled"
+  return {
+    "weight_name": weighting.weight_name,
+    "whole_batch_weighting": weighting.kind
+    if weighting.kind in ("sum", "fitted", "coupled")
+    else weighting.count_name(),
+    "whole_batch_weights": None
+    if coupled
+    else [float(c) for c in weighting.coefficients],
+    "as_declared": weighting.as_declared,
+    "whole_batch_weighs": "" if coupled else weighting.describe(),
+  }
+
+
 def proportion(c: np.ndarray) -> np.ndarray:
   """``c`` scaled to the smallest whole numbers it is in proportion to (up to
   64 times its smallest positive entry), or to that entry 1."""

@@ -115,12 +115,8 @@ class MultiSteps(_OwnTransformation):
   A drop-in for :class:`optax.MultiSteps` that gives exactly the whole-batch
   gradient when micro-batches hold different numbers of items (tokens,
   samples). Each call passes one micro-batch's gradient :math:`g_i` of its
-  loss and its ``weight`` :math:`w_i`, **the count that loss divides by**:
-  valid tokens for a token mean, rows for a mean of per-row means (EasyLM's
-  loss), rows times length for a mean over all positions; a loss divided by
-  a constant or not at all takes ``grad_reduction="window_mean"`` instead
-  (the table is in ``docs/multi_steps.md``). The window's last call runs the
-  inner optimizer on
+  loss and its ``weight`` :math:`w_i`, the count that loss divides by
+  (``docs/multi_steps.md``); the window's last call runs the inner optimizer on
 
   .. math::
     g = \frac{\sum_i w_i\, g_i}{\sum_i w_i}
@@ -349,14 +345,9 @@ class MultiSteps(_OwnTransformation):
         each entry a term's gradient, weight and loss.
       state: The current state.
       params: Current params, forwarded to the inner optimizer.
-      weight: The count the micro-batch's loss divides by, a scalar, traced
-        or not: valid tokens for a token mean, rows for a mean of per-row
-        means, rows times length for a mean over all positions (with
-        ``grad_reduction="sum"``, the items its summed loss covers). A loss
-        divided by a constant or not at all is exact with
-        ``grad_reduction="window_mean"``, where ``weight`` only counts items
-        (default 1). Required with ``terms`` and ``grad_reduction="sum"``;
-        left out, 1 (optax's uniform mean), with a warning once.
+      weight: The count the loss divides by, traced or not (tokens for a token
+        mean, rows for a mean of row means: ``docs/multi_steps.md``); needed
+        with ``terms`` and ``"sum"``; left out, 1 (optax's mean), warning once.
       end_window: Optional bool scalar, traced or not: end the window with this
         micro-batch even if it holds fewer than ``k`` micro-batches.
       loss: Optional loss of the micro-batch, reduced like its gradient; the

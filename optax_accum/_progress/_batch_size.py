@@ -176,6 +176,40 @@ _NO_NOISE = (
 )
 
 
+def _measurement(metrics: Any) -> Mapping[str, Any]:
+  """``metrics["noise_scale"]``, or a ``ValueError`` that names the fix."""
+  if not isinstance(metrics, Mapping):
+    raise ValueError(
+      "`metrics` must be the metrics of the call that ended the window (a "
+      "train step's, or get_last_window(opt_state)), a dict; got "
+      f"{type(metrics).__name__}."
+    )
+  measured = metrics.get("noise_scale")
+  if not isinstance(measured, Mapping):
+    found = "absent" if measured is None and "noise_scale" not in metrics else None
+    raise ValueError(_NO_NOISE.format(found=found or repr(measured)))
+  missing = {"squared_norm", "trace", "units"} - set(measured)
+  if missing:
+    raise ValueError(
+      f"`metrics['noise_scale']` must hold squared_norm, trace and units, "
+      f"lacks {sorted(missing)}."
+    )
+  return measured
+
+
+def _record(state: WindowControllerState, learning_rate: Any) -> dict[str, Any]:
+  """The record of the window ``state`` ends: its target and what it held."""
+  return {
+    "b_simple": float(state.estimate),
+    "b_low": float(state.bounds[0]),
+    "b_high": float(state.bounds[1]),
+    "target": float(state.target),
+    "weight": float(state.weight),
+    "micro_batches": int(state.micro_batches),
+    "learning_rate": learning_rate,
+  }
+
+
 @dataclasses.dataclass(frozen=True)
 class WindowController:
   r"""Ends each window at a rung of doublings that the noise scale earns.
@@ -204,44 +238,30 @@ class WindowController:
   test_controller_settles.py``): within :math:`\sqrt{g}` of it, and on it
   where it is a rung.
 
-  ``scale = 0.5``: :math:`B_\text{simple}` estimates McCandlish et al.'s
-  (2018) critical batch size, but issue 71 measured it at 2 to 9 times the
-  critical batch size found by branching runs of the benchmark's LM, and
-  ``scale = 0.5`` with ``min_weight`` at the reference window (and twice the
-  learning rate) gave a final loss of 1.945 ± 0.062 there with 288 updates,
-  38% of the small window's (``docs/noise_scale.md``). ``patience = 3`` and
-  ``confidence = 1``: over 40 seeds of a constant :math:`B_\mathrm{simple}`
-  (``tests/test_controller_settles.py``'s setting, 80 windows from three
-  rungs below), the target reached :math:`s B_\mathrm{simple}` in 25
-  windows (median; 43 at most), and 2 runs stepped one rung above it and
-  back; with ``confidence = 0`` 18 windows but 5 runs above; with
-  ``patience`` 1 or 2 (10 seeds) 1 to 5 runs above. Each window holds at
-  least ``min_micro_batches`` (2) micro-batches: a window of one unit
-  measures nothing, and the target could never leave a ``min_weight`` that
-  one micro-batch holds.
+  The defaults (``scale = 0.5``, ``patience = 3``, ``confidence = 1``) and
+  the measurements they come from are in ``docs/noise_scale.md`` ("A window
+  that follows the noise scale"). Each window holds at least
+  ``min_micro_batches`` (2) micro-batches: a window of one unit measures
+  nothing, and the target could never leave a ``min_weight`` one micro-batch
+  holds.
 
   The bounds are one window old because a window's measurement is read only
   when the window after it ends: by then the device has finished it, and no
   micro-step waits for it. Where it runs:
 
-  - **Streaming** (``make_train_step``) and ``MultiSteps.update`` in your
-    loop (``every_k_schedule="end_window"``): :meth:`add` each micro-batch's
-    items (a host number); it says whether to end the window. Then
-    :meth:`end` with the call's metrics, or ``get_last_window(opt_state)``.
-  - **Scan mode**: :meth:`choose_k` picks the window's micro-batches from
-    :meth:`ks`, ``k_min``, ``k_max`` and the powers of two between
-    (``k_min = max(min_micro_batches, ceil(min_weight / per_micro_batch))``,
-    ``k_max = floor(max_weight / per_micro_batch)``): a step compiles at most
-    ``floor(log2(k_max / k_min)) + 2`` window programs.
-  - **Across replicas** (``axis_name``): count the items of all replicas;
-    each replica's micro-batch is a unit of the measurement
-    (``min_micro_batches=1`` is then enough).
+  - **Streaming** and ``MultiSteps.update`` in your loop
+    (``every_k_schedule="end_window"``): :meth:`add` each micro-batch's items
+    (a host number), then :meth:`end` with the metrics of the call that ended
+    the window, or ``get_last_window(opt_state)``.
+  - **Scan mode**: :meth:`choose_k` picks a window's micro-batches from
+    :meth:`ks`, so a step compiles a few window programs.
+  - **Across replicas** (``axis_name``): count the items of all replicas; each
+    replica's micro-batch is a unit (``min_micro_batches=1`` is then enough).
 
   The state is a small pytree of arrays (:class:`WindowControllerState`):
   checkpoint it beside the optimizer state, and a run resumed from both
-  ends the same windows with the same params. A checkpoint of the state
-  before issue 71 (no ``spread``) restores without a target, through
-  :meth:`restore`.
+  ends the same windows with the same params. An older state's checkpoint
+  (no ``spread``) restores without a target, through :meth:`restore`.
 
   Attributes:
     min_weight: The first window's target and the ladder's foot, in items
@@ -422,37 +442,14 @@ class WindowController:
       ValueError: If ``metrics`` hold no noise measurement (an optimizer
         built without ``noise_scale=True``).
     """
-    if not isinstance(metrics, Mapping):
-      raise ValueError(
-        "`metrics` must be the metrics of the call that ended the window (a "
-        "train step's, or get_last_window(opt_state)), a dict; got "
-        f"{type(metrics).__name__}."
-      )
-    measured = metrics.get("noise_scale")
-    if not isinstance(measured, Mapping):
-      found = "absent" if measured is None and "noise_scale" not in metrics else None
-      raise ValueError(_NO_NOISE.format(found=found or repr(measured)))
-    missing = {"squared_norm", "trace", "units"} - set(measured)
-    if missing:
-      raise ValueError(
-        f"`metrics['noise_scale']` must hold squared_norm, trace and units, "
-        f"lacks {sorted(missing)}."
-      )
+    measured = _measurement(metrics)
     estimate, low, high = _read(state.reading)  # The window before: finished.
     ema = _placed(state.ema, measured["trace"])
     spread = _placed(state.spread, measured["trace"])
     reading, ema, spread = _measured(
       measured, ema, spread, np.float32(self.decay), np.float32(self.confidence)
     )
-    record = {
-      "b_simple": float(state.estimate),
-      "b_low": float(state.bounds[0]),
-      "b_high": float(state.bounds[1]),
-      "target": float(state.target),
-      "weight": float(state.weight),
-      "micro_batches": int(state.micro_batches),
-      "learning_rate": metrics.get("learning_rate"),
-    }
+    record = _record(state, metrics.get("learning_rate"))
     target, streak = self._step(low, high, float(state.target), int(state.streak))
     state = WindowControllerState(
       ema=ema,
