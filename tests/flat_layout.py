@@ -1,8 +1,10 @@
 """A layout new to the library, in one file and without editing it: the
 window's sums stored as a flat tuple of leaves (``Flat``) between calls.
 
-Registering it is all the library needs: every path finds it through the
-layouts protocol (``tests/test_layout_protocol.py`` runs them all).
+The layout is one factory, :func:`flat_layout`, of a value of four functions'
+fields; its stored node says how it becomes one sum and which layout keeps it.
+Every path finds it through them (``tests/test_layout_protocol.py`` runs them
+all).
 """
 
 from __future__ import annotations
@@ -12,11 +14,9 @@ import functools
 from typing import Any, ClassVar
 
 import jax
-import numpy as np
 
-from optax_accum._core import _placement
 from optax_accum._core._state import StoredNode
-from optax_accum._layouts import Layout, register, saved_as, to_sum
+from optax_accum._layouts import Layout, renamed, to_sum
 
 
 @functools.partial(
@@ -30,61 +30,35 @@ class Flat(StoredNode):
   treedef: Any
   contents: ClassVar[str] = "sums stored as a flat tuple (tests/flat_layout.py)"
 
+  def to_sum(self) -> Any:
+    return jax.tree.unflatten(self.treedef, self.leaves)
 
-@register
-@dataclasses.dataclass(frozen=True)
-class FlatLayout(Layout):
-  """Programs take the sums as one sum and return them flat."""
+  def layout(self) -> Layout:
+    return FLAT
 
-  treedef: Any
-  converts: ClassVar[bool] = True
 
-  @classmethod
-  def holds(cls, acc: Any) -> bool:
-    return isinstance(acc, Flat)
+def flat_layout() -> Layout:
+  """Programs take the sums flat and add to them as one sum."""
 
-  @classmethod
-  def to_sum(cls, acc: Flat) -> Any:
-    return jax.tree.unflatten(acc.treedef, acc.leaves)
+  def store(acc: Any, params: Any, terms: Any) -> Flat:
+    return flat(acc)
 
-  @classmethod
-  def sum_shapes(cls, acc: Flat) -> Any:
-    return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), cls.to_sum(acc)
-    )
+  def wrap(body: Any, window: bool) -> Any:
+    def run(inputs: Any) -> Any:
+      out = body(inputs._replace(acc=inputs.acc.to_sum()))
+      return out._replace(acc=flat(out.acc))
 
-  @classmethod
-  def from_sum(cls, total: Any, target: Flat) -> Flat:
-    placed = map(_placement.placed_like, jax.tree.leaves(total), target.leaves)
-    return Flat(tuple(placed), target.treedef)
+    return renamed(run, body)
 
-  @classmethod
-  def saved_in(cls, saved: Any) -> bool:
-    return saved_as(saved, Flat, {"leaves"})
-
-  @classmethod
-  def restore_target(cls, shapes: Any, saved: Any, given: Any) -> Flat:
-    del saved, given
-    zeros = tuple(np.zeros(s.shape, s.dtype) for s in jax.tree.leaves(shapes))
-    return Flat(zeros, jax.tree.structure(shapes))
-
-  @classmethod
-  def kept(cls, acc: Flat) -> FlatLayout:
-    return FlatLayout(acc.treedef)
-
-  def lay_out(self, state: Any, params: Any = None, terms: Any = None) -> Any:
-    return state._replace(acc_grads=flat(state.acc_grads))
-
-  def inside(self, acc: Flat) -> Any:
-    return jax.tree.unflatten(acc.treedef, acc.leaves)
-
-  def outside(self, acc: Any) -> Flat:
-    return Flat(tuple(jax.tree.leaves(acc)), self.treedef)
+  return Layout(None, store, wrap, lambda window: None)
 
 
 def flat(acc: Any) -> Flat:
-  """``acc`` (any layout) stored flat."""
+  """``acc`` (any stored node) stored flat."""
   if isinstance(acc, Flat):
     return acc
   total = to_sum(acc)
   return Flat(tuple(jax.tree.leaves(total)), jax.tree.structure(total))
+
+
+FLAT = flat_layout()

@@ -1,6 +1,6 @@
-"""A layout is one file: ``tests/flat_layout.py`` adds one (the sums stored as
-a flat tuple) without editing the library, and it runs bit for bit as one sum
-on every path; nothing outside the layouts layer asks a layout's type."""
+"""A layout is one factory: ``tests/flat_layout.py`` adds one (the sums stored
+as a flat tuple) without editing the library, and it runs bit for bit as one
+sum on every path; nothing outside the layouts layer asks a layout's type."""
 
 import ast
 import pathlib
@@ -141,7 +141,7 @@ def test_a_layout_in_one_file_restores_mid_window_with_orbax(run, tmp_path):
   ckpt.save(tmp_path / "mid", {"params": mid[0], "opt_state": mid[1]})
   ckpt.wait_until_finished()
   saved = ckpt.metadata(tmp_path / "mid").item_metadata["opt_state"]
-  target = optax_accum.resume_target(opt.init(params), saved)
+  target = optax_accum.resume_target(_flat_state(opt.init(params)), saved)
   _is_flat(target)
   restored = ckpt.restore(tmp_path / "mid", {"params": params, "opt_state": target})
   got = _stream(step, restored["params"], restored["opt_state"], batches[2:])
@@ -214,7 +214,7 @@ def test_no_layout_dispatch_outside_the_layouts_layer():
   """No ``isinstance`` on a layout class or node, and no stored node's field
   (by name or attribute), anywhere in the package but ``optax_accum/_layouts/``."""
   layout_names = _layout_names()
-  assert {"PerReplica", "Packed", "Layout", "PerReplicaLayout"} <= layout_names
+  assert {"PerReplica", "Packed", "Layout"} <= layout_names
   fields = {"sums", "groups", "rest"}
   found = []
   for path in sorted(PACKAGE.rglob("*.py")):

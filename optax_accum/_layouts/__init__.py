@@ -1,53 +1,59 @@
-"""The accumulator's layouts, one file each, behind one protocol (``_protocol``):
-one sum, per-replica partial sums, deferred partial sums, and packed sums
-(only restored). The only names other layers import."""
+"""The accumulator's layouts: how programs hold the window's sums, a small value
+per layout (``_layout``: one sum, per-replica and deferred partial sums), how
+they are stored between calls (``_storage``, plain functions; ``_packed``,
+restored only), and which one a state gets (``_choice``). The only names other
+layers import."""
 
-from optax_accum._layouts import _choice
-from optax_accum._layouts._deferred import (
-  DeferredLayout,
-  choose_leaves,
-  micro_batch_like,
-)
-from optax_accum._layouts._packed import Packed
-from optax_accum._layouts._per_replica import PerReplica, PerReplicaLayout
-from optax_accum._layouts._protocol import (
+from optax_accum._layouts._choice import for_call, for_init, kept
+from optax_accum._layouts._layout import (
   ONE_SUM,
   Body,
   Layout,
   Sharded,
-  carried,
-  layout_of,
-  register,
-  relayout,
+  choose_leaves,
+  deferred,
+  micro_batch_like,
+  one_sum,
+  per_replica,
   renamed,
+)
+from optax_accum._layouts._packed import Packed
+from optax_accum._layouts._storage import (
+  PerReplica,
+  carried,
+  inside,
+  outside,
+  per_replica_like,
+  relayout,
   resume_target,
-  saved_as,
+  stored_as,
+  sum_shapes,
   to_sum,
 )
-
-#: Which layout ``step.init``, or a call given a state it did not return, chooses.
-layout_for_init = _choice.for_init
-layout_for_call = _choice.for_call
 
 __all__ = (
   "ONE_SUM",
   "Body",
-  "DeferredLayout",
   "Layout",
   "Packed",
   "PerReplica",
-  "PerReplicaLayout",
   "Sharded",
   "carried",
   "choose_leaves",
-  "layout_for_call",
-  "layout_for_init",
-  "layout_of",
+  "deferred",
+  "for_call",
+  "for_init",
+  "inside",
+  "kept",
   "micro_batch_like",
-  "register",
+  "one_sum",
+  "outside",
+  "per_replica",
+  "per_replica_like",
   "relayout",
   "renamed",
   "resume_target",
-  "saved_as",
+  "stored_as",
+  "sum_shapes",
   "to_sum",
 )

@@ -1,18 +1,18 @@
 """Which layout a train step lays a state out in, written once: at
 ``step.init`` (:func:`for_init`) or for a state the step did not return
-(:func:`for_call`); the step keeps it after.
+(:func:`kept`, else :func:`for_call`); the step keeps it after.
 
 With ``axis_name`` under plain ``jit``: per-replica partial sums over its axes
-(:class:`~optax_accum._layouts._per_replica.PerReplicaLayout`). Without, on an
-``Explicit`` mesh: deferred partial sums over the ``Explicit`` axes that split
-the rows and no param (:class:`~optax_accum._layouts._deferred.DeferredLayout`).
-Else one sum. Params split over the data axes (FSDP, ZeRO) keep one sum: a
+(``_layout.per_replica``). Without, on an ``Explicit`` mesh: deferred partial
+sums over the ``Explicit`` axes that split the rows and no param
+(``_layout.deferred``). Else one sum. Params split over the data axes (FSDP, ZeRO) keep one sum: a
 partial sum would need a whole copy of each on every device.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -21,9 +21,25 @@ from jax.sharding import AxisType, NamedSharding
 from optax_accum._core import _placement
 from optax_accum._core._checks import axes as _axes
 from optax_accum._core._state import MultiStepsConfig
-from optax_accum._layouts._deferred import DeferredLayout
-from optax_accum._layouts._per_replica import PerReplicaLayout
-from optax_accum._layouts._protocol import ONE_SUM, Layout
+from optax_accum._core._state import StoredNode
+from optax_accum._layouts._layout import ONE_SUM, Layout, deferred, per_replica
+from optax_accum._layouts._packed import Packed
+from optax_accum._layouts._storage import PerReplica
+
+
+def kept(acc: Any) -> Layout | None:
+  """The layout a state stored as ``acc`` keeps on any devices: one sum stays
+  one sum, a packed node becomes one, a node new to the library keeps its own;
+  ``None`` for partial sums (the call's devices decide: :func:`for_call`)."""
+  match acc:
+    case PerReplica():
+      return None
+    case Packed():
+      return ONE_SUM
+    case StoredNode():
+      return acc.layout()  # type: ignore[attr-defined]
+    case _:
+      return ONE_SUM
 
 
 def for_init(params: Any, config: MultiStepsConfig) -> Layout:
@@ -34,20 +50,25 @@ def for_init(params: Any, config: MultiStepsConfig) -> Layout:
   split = _split(params)
   axes = _axes(config.axis_name)
   if axes:
-    return ONE_SUM if split & set(axes) else PerReplicaLayout(mesh, axes)
+    return ONE_SUM if split & set(axes) else per_replica(mesh, axes)
   if not defers(config):
     return ONE_SUM
   free = tuple(a for a in _explicit(mesh) if a not in split)
   if _replicas(mesh, free) <= 1:
     return ONE_SUM
-  return DeferredLayout(mesh, free, (False,) * len(jax.tree.leaves(params)))
+  return deferred(mesh, free, (False,) * len(jax.tree.leaves(params)))
 
 
 def for_call(
-  params: Any, batch: Any, config: MultiStepsConfig, *, scan: bool
+  params: Any,
+  batch: Any,
+  config: MultiStepsConfig,
+  *,
+  scan: bool,
+  choose: Callable[[jax.sharding.Mesh, tuple[str, ...]], Layout],
 ) -> Layout | None:
   """The partial sums of a call whose ``batch`` rows are split over data axes,
-  or ``None``; deferred leaves not chosen yet (``choose_leaves``). With
+  or ``None``; ``choose(mesh, axes)`` picks a deferred layout's leaves. With
   ``axis_name`` a ``ValueError`` unless each batch leaf's rows are split over
   exactly its axes and no param is."""
   dim = 1 if scan else 0
@@ -71,7 +92,7 @@ def for_call(
       both = set(_placement.axes_of(param)) & set(axes)
       if both:
         raise ValueError(_fsdp(path, sorted(both)[0]))
-    return PerReplicaLayout(mesh, axes)
+    return per_replica(mesh, axes)
   whole = all(isinstance(s, NamedSharding) and len(s.spec) > dim for _, s in rows)
   if not defers(config) or not whole or len(found) != 1:
     return None
@@ -86,7 +107,7 @@ def for_call(
       return None
     if set(_placement.axes_of(param)) & set(axes):
       return None  # FSDP's gradients are reduce-scattered.
-  return DeferredLayout(mesh, axes)
+  return choose(mesh, axes)
 
 
 def defers(config: MultiStepsConfig) -> bool:

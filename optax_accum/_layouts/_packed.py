@@ -3,7 +3,8 @@
 Such a checkpoint holds ``groups`` (one flat buffer per group of small leaves,
 concatenated in tree order) and ``rest`` (the other leaves). It restores
 against :func:`~optax_accum.resume_target`'s target and becomes one sum on
-the step's first call or through :func:`~optax_accum.relayout`.
+the step's first call or through :func:`~optax_accum.relayout`
+(``_storage`` matches it).
 """
 
 from __future__ import annotations
@@ -19,14 +20,6 @@ import numpy as np
 
 from optax_accum._core import _backend
 from optax_accum._core._state import StoredNode
-from optax_accum._layouts._protocol import (
-  Layout,
-  field,
-  leaves,
-  register,
-  saved_as,
-  zeros,
-)
 
 
 class Packing(NamedTuple):
@@ -83,55 +76,38 @@ def packing_of(shapes: Any) -> Packing | None:
   return Packing(treedef, tuple(sizes), groups, rest)
 
 
-@register
-class PackedLayout(Layout):
-  """Restored only: its sums become one sum before any program sees them."""
+def unpacked(acc: Packed) -> Any:
+  """Every leaf in its own shape (on the host if it is there)."""
+  if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(acc)):
+    return jax.eval_shape(unpacked, acc)
+  on_host = all(isinstance(x, np.ndarray | np.generic) for x in jax.tree.leaves(acc))
+  xp = np if on_host else jnp
+  packing = acc.packing
+  out: list[Any] = [None] * len(packing.shapes)
+  for i, leaf in zip(packing.rest, acc.rest, strict=True):
+    out[i] = leaf
+  for group, buffer in zip(packing.groups, acc.groups, strict=True):
+    start = 0
+    for i in group:
+      stop = start + math.prod(packing.shapes[i])
+      out[i] = xp.reshape(buffer[start:stop], packing.shapes[i])
+      start = stop
+  return jax.tree.unflatten(packing.treedef, out)
 
-  @classmethod
-  def holds(cls, acc: Any) -> bool:
-    return isinstance(acc, Packed)
 
-  @classmethod
-  def to_sum(cls, acc: Packed) -> Any:
-    """Every leaf in its own shape (on the host if it is there)."""
-    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(acc)):
-      return jax.eval_shape(cls.to_sum, acc)
-    on_host = all(isinstance(x, np.ndarray | np.generic) for x in jax.tree.leaves(acc))
-    xp = np if on_host else jnp
-    packing = acc.packing
-    out: list[Any] = [None] * len(packing.shapes)
-    for i, leaf in zip(packing.rest, acc.rest, strict=True):
-      out[i] = leaf
-    for group, buffer in zip(packing.groups, acc.groups, strict=True):
-      start = 0
-      for i in group:
-        stop = start + math.prod(packing.shapes[i])
-        out[i] = xp.reshape(buffer[start:stop], packing.shapes[i])
-        start = stop
-    return jax.tree.unflatten(packing.treedef, out)
-
-  @classmethod
-  def sum_shapes(cls, acc: Packed) -> Any:
-    return jax.eval_shape(cls.to_sum, acc)
-
-  @classmethod
-  def saved_in(cls, saved: Any) -> bool:
-    return saved_as(saved, Packed, {"groups", "rest"})
-
-  @classmethod
-  def restore_target(cls, shapes: Any, saved: Any, given: Any) -> Packed:
-    """The packing ``step.init`` gave these params, its group sizes the saved ones."""
-    packing = packing_of(shapes)
-    sizes = [int(np.prod(np.shape(g))) for g in leaves(field(saved, "groups"))]
-    if packing is None or [packing.size(g) for g in packing.groups] != sizes:
-      raise ValueError(
-        f"`saved` is packed in groups of {sizes} elements, which step.init did "
-        "not give these params: it holds the sums of other params. Restore it "
-        "against a state of the params it was saved with."
-      )
-    flat = [zeros(s) for s in jax.tree.leaves(shapes)]
-    return Packed(
-      tuple(np.zeros(packing.size(g), flat[g[0]].dtype) for g in packing.groups),
-      tuple(flat[i] for i in packing.rest),
-      packing,
+def restore_target(shapes: Any, sizes: list[int]) -> Packed:
+  """Host zeros packed as ``step.init`` packed sums of ``shapes``, whose group
+  sizes a checkpoint says are ``sizes``."""
+  packing = packing_of(shapes)
+  if packing is None or [packing.size(g) for g in packing.groups] != sizes:
+    raise ValueError(
+      f"`saved` is packed in groups of {sizes} elements, which step.init did "
+      "not give these params: it holds the sums of other params. Restore it "
+      "against a state of the params it was saved with."
     )
+  flat = [np.zeros(s.shape, s.dtype) for s in jax.tree.leaves(shapes)]
+  return Packed(
+    tuple(np.zeros(packing.size(g), flat[g[0]].dtype) for g in packing.groups),
+    tuple(flat[i] for i in packing.rest),
+    packing,
+  )

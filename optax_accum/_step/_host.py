@@ -20,10 +20,12 @@ from optax_accum._layouts import (
   ONE_SUM,
   Layout,
   choose_leaves,
-  layout_for_call,
-  layout_for_init,
-  layout_of,
+  for_call,
+  for_init,
+  inside,
+  kept,
   micro_batch_like,
+  per_replica_like,
 )
 from optax_accum._step._programs import Bodies, Inputs, Pair, counters, programs
 
@@ -55,7 +57,7 @@ class Host:
     which takes only per-replica partial sums."""
     in_trace = traced(params, opt_state, batch)
     mesh = None if in_trace else mesh_of(params, batch)
-    layout = layout_of(opt_state.acc_grads).kept(opt_state.acc_grads) if keep else None
+    layout = kept(opt_state.acc_grads) if keep else None
     if layout is None or (self._replica_axes and not in_trace):
       if not in_trace and (mesh is not None or self._replica_axes):  # The devices'.
         if mesh is not None:
@@ -74,7 +76,8 @@ class Host:
     self, opt_state: MultiStepsState, layout: Layout, params: Any = None
   ) -> MultiStepsState:
     """``opt_state`` with its accumulator in ``layout`` (kept if it is)."""
-    return layout.lay_out(opt_state, params, self.bodies.config.terms)
+    acc = layout.store(opt_state.acc_grads, params, self.bodies.config.terms)
+    return opt_state._replace(acc_grads=acc)
 
   def _data_layout(
     self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
@@ -82,30 +85,31 @@ class Host:
     """The per-replica layout of a call on a mesh, if it has one; a deferred
     one's leaves chosen once per avals."""
     config = self.bodies.config
-    layout: Any = layout_for_call(params, batch, config, scan=self.scan)
-    if layout is None or self._replica_axes:
-      return layout
-    key = (layout, *map(avals, (params, batch)), rng is None)
-    if key not in self._chosen:
-      sums = jax.eval_shape(self.bodies.optimizer.init, params).acc_grads
-      acc = layout.inside(layout.like(sums, params, config.terms))
-      micro_batch = micro_batch_like(batch) if self.scan else batch
-      inputs = Inputs(params, None, acc, counters(opt_state), micro_batch, rng)
 
-      def fits(chosen: Any) -> bool:
-        body = chosen.body(self.bodies.under(chosen.policy()).accumulate, False)
-        try:
-          jax.eval_shape(body, inputs)
-        except Exception:  # A cast JAX has no rule for (or a loss that fails
-          return False  # anyway: with nothing cast, the call raises it).
-        return True
+    def choose(mesh: Any, axes: tuple[str, ...]) -> Layout:
+      key = (mesh, axes, *map(avals, (params, batch)), rng is None)
+      if key not in self._chosen:
+        sums = jax.eval_shape(self.bodies.optimizer.init, params).acc_grads
+        acc = inside(per_replica_like(mesh, axes, sums, params, config.terms))
+        micro_batch = micro_batch_like(batch) if self.scan else batch
+        inputs = Inputs(params, None, acc, counters(opt_state), micro_batch, rng)
 
-      self._chosen[key] = choose_leaves(layout, fits, params)
-    return self._chosen[key]
+        def fits(chosen: Layout) -> bool:
+          body = chosen.wrap(self.bodies.under(chosen.reduction).accumulate, False)
+          try:
+            jax.eval_shape(body, inputs)
+          except Exception:  # A cast JAX has no rule for (or a loss that fails
+            return False  # anyway: with nothing cast, the call raises it).
+          return True
+
+        self._chosen[key] = choose_leaves(mesh, axes, fits, params)
+      return self._chosen[key]
+
+    return for_call(params, batch, config, scan=self.scan, choose=choose)
 
   def init_layout(self, params: Any) -> Layout:
     """``step.init``'s layout (``_layouts._choice.for_init``)."""
-    return layout_for_init(params, self.bodies.config)
+    return for_init(params, self.bodies.config)
 
   def on_one_sum(self, params: Any, inner: Any, batch: Any) -> bool:
     """Whether an empty-window call runs on one sum: traced or no mesh."""

@@ -30,7 +30,7 @@ from optax_accum._core._hyperparams import get_hyperparams
 from optax_accum._core._multi_steps import MultiSteps
 from optax_accum._core._placement import traced
 from optax_accum._core._state import MultiStepsConfig, MultiStepsState
-from optax_accum._layouts import Body, Layout, Sharded, renamed
+from optax_accum._layouts import Body, Layout, Sharded, inside, outside, renamed
 
 Metrics = dict[str, Any]
 
@@ -218,7 +218,7 @@ def select(
   """``pair``'s program ``name`` (``"accumulate"``, ``"update"``, ``"ending"``:
   the update program where a window ends in one) and its inputs from
   ``state`` (``unalias``: each donated array used twice copied)."""
-  inner, acc = state.inner_opt_state, state.acc_grads
+  inner, acc = state.inner_opt_state, inside(state.acc_grads)
   if name == "accumulate":  # Neither the inner state nor the flag.
     inputs = Inputs(params, None, acc, counters(state), batch, rng)
     if unalias and not traced(inputs):  # The inner state is read too.
@@ -246,9 +246,10 @@ def run(
   accumulate program's, params and inner state as given), and its outputs."""
   program, inputs = select(pair, name, params, state, batch, rng, end_window, unalias)
   out = program(inputs)
+  acc = outside(out.acc, state.acc_grads)
   if name == "accumulate":
-    return params, whole(out.counters, state.inner_opt_state, out.acc), out
-  return out.params, whole(out.counters, out.inner, out.acc), out
+    return params, whole(out.counters, state.inner_opt_state, acc), out
+  return out.params, whole(out.counters, out.inner, acc), out
 
 
 def micro_batch_key(rng: jax.Array, seen: Any, axes: tuple[str, ...]) -> jax.Array:
@@ -557,31 +558,13 @@ def _check_leading_axis(batch: Any, config: MultiStepsConfig) -> None:
     )
 
 
-class Bound:
-  """A program called and lowered with the accumulator as ``layout`` stores it."""
-
-  def __init__(self, layout: Layout, program: Program):
-    self.layout, self.program = layout, program
-
-  def _in(self, inputs: Inputs) -> Inputs:
-    return inputs._replace(acc=self.layout.inside(inputs.acc))
-
-  def __call__(self, inputs: Inputs) -> Outputs:
-    out = self.program(self._in(inputs))
-    return out._replace(acc=self.layout.outside(out.acc))
-
-  def lower(self, inputs: Inputs) -> jax.stages.Lowered:
-    return self.program.lower(self._in(inputs))
-
-
 def programs(layout: Layout, bodies: Bodies, *, scan: bool, donate: bool) -> Pair:
   """``bodies``' accumulate and update programs for ``layout`` (scan: the window's)."""
-  policy = layout.policy()
+  policy = layout.reduction
   bodies = bodies if policy is None else bodies.under(policy)
 
-  def program(body: Body, donates: tuple[str, ...], window: bool = False) -> Any:
-    built = Program(layout.body(body, window), donates, donate, layout.sharded(window))
-    return Bound(layout, built) if layout.converts else built
+  def program(body: Body, donates: tuple[str, ...], window: bool = False) -> Program:
+    return Program(layout.wrap(body, window), donates, donate, layout.sharded(window))
 
   accumulate = program(bodies.accumulate, ACCUMULATE_DONATES)
   update = program(bodies.scan if scan else bodies.update, UPDATE_DONATES, window=scan)

@@ -255,8 +255,7 @@ class TrainStep:
     mesh = mesh_of(params)
     if mesh is not None:  # Counters placed as the programs return them.
       state = as_returned(state, mesh)
-    layout = self._host.init_layout(params)
-    return layout.lay_out(state, params, self.optimizer.config.terms)
+    return self._host.lay_out(state, self._host.init_layout(params), params)
 
   def lower(
     self,
