@@ -236,8 +236,8 @@ def test_a_window_ends_in_two_programs_within_the_merged_ones_memory():
   opt = optax_accum.MultiSteps(optax.adamw(1e-3), 4)
   step = optax_accum.make_train_step(model["loss_fn"], opt)
   params, batch = model["params"], model["batch"](2)
-  params, state, layout = step._host.arranged(params, step.init(params), batch)
-  accumulate, update = step._host.programs(layout)
+  params, state, layout = step._layouts.arranged(params, step.init(params), batch)
+  accumulate, update = step._layouts.programs(layout)
   assert isinstance(update, TwoPrograms)
   assert update.accumulate is accumulate
   inner, acc = state.inner_opt_state, state.acc_grads

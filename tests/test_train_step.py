@@ -548,9 +548,9 @@ def test_scan_mode_arranges_only_a_state_it_did_not_return(monkeypatch):
   arranged again, and both windows give the same params."""
   opt = optax_accum.MultiSteps(optax.adamw(1e-2), 4)
   step = optax_accum.make_train_step(toy_lm.mean_loss, opt, mode="scan")
-  arranged, calls = step._host.arranged, []
+  arranged, calls = step._layouts.arranged, []
   monkeypatch.setattr(
-    step._host, "arranged", lambda *args: calls.append(1) or arranged(*args)
+    step._layouts, "arranged", lambda *args: calls.append(1) or arranged(*args)
   )
   params, state = toy_lm.init_params(seed=0), opt.init(toy_lm.init_params(seed=0))
   windows = [split_micro_batches(toy_lm.make_batch(seed=i), 4) for i in range(3)]

@@ -61,17 +61,13 @@ def _concrete(x: Any) -> bool:
 
 
 def placed_like(x: Any, like: Any) -> Any:
-  """``x`` in ``like``'s dtype and, where it has one, sharding."""
+  """``x`` in ``like``'s dtype and, where it has one, sharding (itself where
+  it has them already)."""
   placed = isinstance(like, jax.Array | jax.ShapeDtypeStruct)
   sharding = like.sharding if placed and not traced(like) else None
   if not isinstance(x, jax.Array) or x.dtype != like.dtype:
     x = jnp.asarray(x, like.dtype)
-  return x if sharding is None or traced(x) else put(x, sharding)
-
-
-def put(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
-  """``x`` with ``sharding``: itself where it has it already."""
-  if x.sharding.is_equivalent_to(sharding, x.ndim):
+  if sharding is None or traced(x) or x.sharding.is_equivalent_to(sharding, x.ndim):
     return x
   return jax.device_put(x, sharding)
 
@@ -103,10 +99,14 @@ def mesh_of(*trees: Any) -> jax.sharding.Mesh | None:
   return None
 
 
-def as_returned(tree: Any, mesh: jax.sharding.Mesh) -> Any:
-  """``tree`` placed as the programs return it, so the next call hits ``jit``'s
-  cache: specs spelled out to full rank without copying (``P()`` returns as
-  ``P(None, None)``, another cache key); arrays on no mesh replicated."""
+def as_returned(tree: Any, inputs: Any) -> Any:
+  """``tree`` placed as a jitted program returns it for ``inputs``, so the next
+  call hits ``jit``'s cache: on ``inputs``' mesh, specs spelled out to full
+  rank without copying (``P()`` returns as ``P(None, None)``, another cache
+  key) and arrays on no mesh replicated; else :func:`committed`."""
+  mesh = mesh_of(inputs)
+  if mesh is None:
+    return committed(tree, inputs)
 
   def place(x: Any) -> Any:
     if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):

@@ -334,7 +334,8 @@ def _first_placed(total: Any, n: int, like: Any) -> Any:
   total = jnp.asarray(total, like.dtype)
   if isinstance(sharding, NamedSharding):
     inner = NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
-    return _first_replica(sharding)(_placement.put(total, inner), n)
+    like_one = jax.ShapeDtypeStruct(total.shape, total.dtype, sharding=inner)
+    return _first_replica(sharding)(_placement.placed_like(total, like_one), n)
   out = first_replica(total, n)
   return jax.device_put(out, sharding) if sharding is not None else out
 

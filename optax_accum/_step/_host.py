@@ -1,6 +1,6 @@
 """A train step's host side: which accumulator layout a call runs in (the init
-chooses it, the step keeps it), each layout's programs, built once, and what
-the host knows of the state a step returned last, so a streaming call picks
+chooses it, the step keeps it: :class:`Layouts`), each layout's programs, built
+once, and what the host knows of the state a step returned last (:class:`Known`), so a streaming call picks
 its program without waiting for the device; any other state (the first, a
 restored one, one from ``relayout`` or ``_replace``) is read and laid out
 again."""
@@ -15,7 +15,7 @@ import numpy as np
 
 from optax_accum._core import _checks
 from optax_accum._core._multi_steps import MultiSteps, MultiStepsState
-from optax_accum._core._placement import as_returned, committed, mesh_of, traced
+from optax_accum._core._placement import as_returned, mesh_of, traced
 from optax_accum._layouts import (
   ONE_SUM,
   Layout,
@@ -30,8 +30,9 @@ from optax_accum._layouts import (
 from optax_accum._step._programs import Bodies, Inputs, Pair, counters, programs
 
 
-class Host:
-  """A train step's choice of layout for each call, and the programs of each."""
+class Layouts:
+  """A train step's layouts: the one each call runs in, chosen once for a state
+  the step did not return, and each one's programs, built once."""
 
   def __init__(self, bodies: Bodies, mode: str, donate: bool):
     self.bodies = bodies
@@ -49,28 +50,22 @@ class Host:
     *,
     keep: bool = True,
   ) -> tuple[Any, MultiStepsState, Layout]:
-    """Params, ``opt_state`` in the call's layout, and that layout: the state's
-    own where it keeps one (``keep``; one sum stays one sum, on any devices);
-    else if traced or on no mesh one sum (a traced call's result goes back to
-    the given layout: ``_layouts.carried``), else per-replica where it can.
-    With ``axis_name`` under plain ``jit`` the programs run in a ``shard_map``,
-    which takes only per-replica partial sums."""
+    """Params, ``opt_state`` in the call's layout and placed as the programs
+    return them, and that layout: the state's own where it keeps one
+    (``keep``: one sum stays one sum, on any devices; ``_layouts.kept``), else
+    the call's devices' (``_layouts.for_call``; one sum if traced: its result
+    goes back to the given layout, ``_layouts.carried``). With ``axis_name``
+    under plain ``jit`` the programs run in a ``shard_map``, which takes only
+    per-replica partial sums."""
     in_trace = traced(params, opt_state, batch)
-    mesh = None if in_trace else mesh_of(params, batch)
     layout = kept(opt_state.acc_grads) if keep else None
-    if layout is None or (self._replica_axes and not in_trace):
-      if not in_trace and (mesh is not None or self._replica_axes):  # The devices'.
-        if mesh is not None:
-          params, opt_state = as_returned((params, opt_state), mesh)
-        layout = self._data_layout(params, opt_state, batch, rng) or ONE_SUM
-        return params, self.lay_out(opt_state, layout, params), layout
-      layout = ONE_SUM
+    if not in_trace and (layout is None or self._replica_axes):
+      layout = self._data_layout(params, opt_state, batch, rng)
+    layout = layout or ONE_SUM
     opt_state = self.lay_out(opt_state, layout, params)
     if in_trace:
       return params, opt_state, layout
-    if mesh is not None:
-      return (*as_returned((params, opt_state), mesh), layout)
-    return (*committed((params, opt_state), (params, batch)), layout)
+    return (*as_returned((params, opt_state), (params, batch)), layout)
 
   def lay_out(
     self, opt_state: MultiStepsState, layout: Layout, params: Any = None
@@ -107,8 +102,8 @@ class Host:
 
     return for_call(params, batch, config, scan=self.scan, choose=choose)
 
-  def init_layout(self, params: Any) -> Layout:
-    """``step.init``'s layout (``_layouts._choice.for_init``)."""
+  def for_init(self, params: Any) -> Layout:
+    """``step.init``'s layout (``_layouts.for_init``)."""
     return for_init(params, self.bodies.config)
 
   def on_one_sum(self, params: Any, inner: Any, batch: Any) -> bool:

@@ -14,7 +14,7 @@ from jax.typing import ArrayLike
 from optax_accum._core import _checks, _reduction
 from optax_accum._core._hyperparams import find_states
 from optax_accum._core._multi_steps import EveryKSchedule, MultiSteps, MultiStepsState
-from optax_accum._core._placement import as_returned, committed, mesh_of, traced
+from optax_accum._core._placement import as_returned, mesh_of, traced
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import check_single_accumulation
 from optax_accum._core._transitions import empty_window, full, with_window
@@ -26,7 +26,7 @@ from optax_accum._step._errors import (
   check_state,
   explained,
 )
-from optax_accum._step._host import UNKNOWN, Host, Known, avals
+from optax_accum._step._host import UNKNOWN, Known, Layouts, avals
 from optax_accum._step._programs import (
   Bodies,
   Metrics,
@@ -100,8 +100,8 @@ class TrainStep:
     self.donate = donate
     policy = _reduction.policy(optimizer.config.axis_name)
     self._bodies = Bodies(loss_fn, optimizer, has_aux, policy)
-    self._host = Host(self._bodies, mode, donate)
-    self.accumulate_program, update = self._host.programs(ONE_SUM)
+    self._layouts = Layouts(self._bodies, mode, donate)
+    self.accumulate_program, update = self._layouts.programs(ONE_SUM)
     self.update_program = update.merged if isinstance(update, TwoPrograms) else update
     self._known: Known | None = None
     # Scan mode with the inner optimizer's own state: per params' shapes, that
@@ -139,15 +139,15 @@ class TrainStep:
     if self.mode == "scan" and not isinstance(opt_state, MultiStepsState):
       check_restored(opt_state)
       check_counts_keys(opt_state, rng)
-      one_sum = self._host.on_one_sum(params, opt_state, batch)
+      one_sum = self._layouts.on_one_sum(params, opt_state, batch)
       state, count = self._around(params, opt_state, sums=not one_sum)
       layout = ONE_SUM  # Its sums only inside the program.
       if not one_sum:  # The step chooses.
-        params, state, layout = self._host.arranged(
+        params, state, layout = self._layouts.arranged(
           params, state, batch, rng, keep=False
         )
       elif not traced(params, state, batch):
-        params, state = committed((params, state), (params, batch))
+        params, state = as_returned((params, state), (params, batch))
       return Call(params, state, batch, rng, None, layout, own=True, inner_count=count)
     check_state(opt_state)
     counts = (opt_state.mini_step, opt_state.gradient_step, end_window)
@@ -157,7 +157,7 @@ class TrainStep:
       fresh = ("accumulate", "update") if params is known.params else ("accumulate",)
       args = (params, opt_state, batch, rng, end_window, known.layout, known)
       return Call(*args, fresh, given)
-    params, state, layout = self._host.arranged(params, opt_state, batch, rng)
+    params, state, layout = self._layouts.arranged(params, opt_state, batch, rng)
     if not in_trace:  # Else the update program, correct on any micro-step.
       known = Known(state.mini_step, state.gradient_step, layout=layout)
     return Call(params, state, batch, rng, end_window, layout, known, given=given)
@@ -178,7 +178,7 @@ class TrainStep:
   def _run(self, call: Call, name: ProgramName, known: Known | None) -> StepOutput:
     """Runs the call's program ``name``: its params, state and metrics."""
     unalias = self.donate and name not in call.fresh
-    pair = self._host.programs(call.layout)
+    pair = self._layouts.programs(call.layout)
     params, state, out = run(pair, name, *call[:5], unalias)
     if name == "update":
       return params, state, self._metrics(out)
@@ -252,10 +252,9 @@ class TrainStep:
     stays one sum); a checkpoint of the step's state restores against this.
     """
     state = self.optimizer.init(params)
-    mesh = mesh_of(params)
-    if mesh is not None:  # Counters placed as the programs return them.
-      state = as_returned(state, mesh)
-    return self._host.lay_out(state, self._host.init_layout(params), params)
+    if mesh_of(params) is not None:  # Counters placed as the programs return them.
+      state = as_returned(state, params)
+    return self._layouts.lay_out(state, self._layouts.for_init(params), params)
 
   def lower(
     self,
@@ -284,7 +283,7 @@ class TrainStep:
       )
     call = self._prepared(params, opt_state, batch, rng, False)
     args = (call.params, call.state, call.batch, call.rng, call.end_window)
-    lowered, inputs = select(self._host.programs(call.layout), program, *args)
+    lowered, inputs = select(self._layouts.programs(call.layout), program, *args)
     return lowered.lower(inputs)
 
 
