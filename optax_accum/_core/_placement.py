@@ -31,7 +31,7 @@ def devices(tree: Any) -> int:
   found: set[Any] = set()
   most = 1
   for x in jax.tree.leaves(tree):
-    if isinstance(x, jax.core.Tracer):
+    if traced(x):
       mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
       most = max(most, getattr(mesh, "size", 1) or 1)
     elif isinstance(x, jax.Array):
@@ -57,7 +57,7 @@ def committed(tree: Any, inputs: Any) -> Any:
 
 
 def _concrete(x: Any) -> bool:
-  return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+  return isinstance(x, jax.Array) and not traced(x)
 
 
 def placed_like(x: Any, like: Any) -> Any:
@@ -109,7 +109,7 @@ def as_returned(tree: Any, inputs: Any) -> Any:
     return committed(tree, inputs)
 
   def place(x: Any) -> Any:
-    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+    if not _concrete(x):
       return x
     sharding = x.sharding
     if not isinstance(sharding, NamedSharding):

@@ -5,8 +5,9 @@
 With ``axis_name`` under plain ``jit``: per-replica partial sums over its axes
 (``_layout.per_replica``). Without, on an ``Explicit`` mesh: deferred partial
 sums over the ``Explicit`` axes that split the rows and no param
-(``_layout.deferred``). Else one sum. Params split over the data axes (FSDP, ZeRO) keep one sum: a
-partial sum would need a whole copy of each on every device.
+(``_layout.deferred``). Else one sum. Params split over the data axes (FSDP,
+ZeRO) keep one sum: a partial sum would need a whole copy of each on every
+device.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from jax.sharding import AxisType, NamedSharding
 
 from optax_accum._core import _placement
 from optax_accum._core._checks import axes as _axes
-from optax_accum._core._state import MultiStepsConfig
-from optax_accum._core._state import StoredNode
+from optax_accum._core._state import MultiStepsConfig, StoredNode
 from optax_accum._layouts._layout import ONE_SUM, Layout, deferred, per_replica
 from optax_accum._layouts._packed import Packed
 from optax_accum._layouts._storage import PerReplica

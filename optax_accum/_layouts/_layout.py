@@ -157,7 +157,9 @@ def _fitting(indices: list[int], fits: Callable[[list[int]], bool]) -> list[int]
   return left + right
 
 
-def _relaid(mesh: jax.sharding.Mesh, axes: tuple[str, ...], acc: Any, inside: bool) -> Any:
+def _relaid(
+  mesh: jax.sharding.Mesh, axes: tuple[str, ...], acc: Any, inside: bool
+) -> Any:
   """The accumulator as programs add to it (``inside``: ``unreduced`` partial
   sums) or as stored (stacked on a replica axis). No data moves: an unchecked
   ``shard_map`` (``unreduced`` to per-device values has no typed cast)."""

@@ -82,7 +82,9 @@ def stored_as(acc: Any, like: Any) -> Any:
   match like:
     case PerReplica():
       if isinstance(acc, PerReplica) and replicas(acc) == replicas(like):
-        return PerReplica(jax.tree.map(_placement.placed_like, acc.sums, like.sums), like.axes)
+        return PerReplica(
+          jax.tree.map(_placement.placed_like, acc.sums, like.sums), like.axes
+        )
       n, total = replicas(like), to_sum(acc)
       sums = jax.tree.map(lambda t, a: _first_placed(t, n, a), total, like.sums)
       return PerReplica(sums, like.axes)
@@ -199,7 +201,9 @@ def relayout(state: MultiStepsState, like: MultiStepsState) -> MultiStepsState:
       ref_name="`like`'s (relayout converts states of the same params; start a "
       "state for other params from opt.init(params))",
     )
-    return state._replace(acc_grads=to_sum(acc) if target is None else stored_as(acc, target))
+    return state._replace(
+      acc_grads=to_sum(acc) if target is None else stored_as(acc, target)
+    )
 
 
 def _same_layout(acc: Any, target: Any) -> bool:
@@ -286,7 +290,9 @@ def _paths(tree: Any) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
   return sorted((tuple(map(name, path)), np.shape(x)) for path, x in flat)
 
 
-def _fields_of(saved: Any, node: type, fields: set[str], optional: set[str] = set()) -> bool:
+def _fields_of(
+  saved: Any, node: type, fields: set[str], optional: frozenset[str] = frozenset()
+) -> bool:
   """Whether a checkpoint's ``acc_grads`` is a ``node``: the node itself, or
   orbax's metadata of one (a dict of its data ``fields``, and of ``optional``
   ones, nothing else)."""

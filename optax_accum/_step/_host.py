@@ -1,9 +1,9 @@
 """A train step's host side: which accumulator layout a call runs in (the init
 chooses it, the step keeps it: :class:`Layouts`), each layout's programs, built
-once, and what the host knows of the state a step returned last (:class:`Known`), so a streaming call picks
-its program without waiting for the device; any other state (the first, a
-restored one, one from ``relayout`` or ``_replace``) is read and laid out
-again."""
+once, and what the host knows of the state a step returned last
+(:class:`Known`), so a streaming call picks its program without waiting for
+the device; any other state (the first, a restored one, one from
+``relayout`` or ``_replace``) is read and laid out again."""
 
 from __future__ import annotations
 

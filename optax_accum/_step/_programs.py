@@ -132,7 +132,7 @@ def _on_a_mesh(inputs: Inputs) -> bool:
   """Whether a call from Python runs on a mesh of several devices, by its
   counters (placed there with the state; no tree walk)."""
   probe = getattr(inputs.counters, "mini_step", None)
-  if not isinstance(probe, jax.Array) or isinstance(probe, jax.core.Tracer):
+  if not isinstance(probe, jax.Array) or traced(probe):
     return False
   sharding = probe.sharding
   return isinstance(sharding, NamedSharding) and sharding.mesh.size > 1
@@ -141,8 +141,7 @@ def _on_a_mesh(inputs: Inputs) -> bool:
 def _traced(inputs: Inputs) -> bool:
   """Whether a call is traced: a tracer among counters, first param, first batch."""
   firsts = [jax.tree.leaves(tree)[:1] for tree in (inputs.params, inputs.batch)]
-  probe = [*jax.tree.leaves(inputs.counters), *firsts[0], *firsts[1]]
-  return any(isinstance(x, jax.core.Tracer) for x in probe)
+  return traced(inputs.counters, firsts)
 
 
 def _mapped(flat: Callable[..., Outputs], sharded: Sharded) -> Callable[..., Outputs]:
@@ -324,7 +323,7 @@ class Bodies:
     loss_fn: Callable[..., Any],
     optimizer: MultiSteps,
     has_aux: bool,
-    reduction: _reduction.Local,
+    reduction: _reduction.Reduction,
   ):
     self.loss_fn = loss_fn
     self.optimizer = optimizer
@@ -332,7 +331,7 @@ class Bodies:
     self.has_aux = has_aux
     self.reduction = reduction
 
-  def under(self, reduction: _reduction.Local) -> Bodies:
+  def under(self, reduction: _reduction.Reduction) -> Bodies:
     """These bodies under another reduction policy."""
     return Bodies(self.loss_fn, self.optimizer, self.has_aux, reduction)
 

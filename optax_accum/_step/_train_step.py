@@ -151,7 +151,7 @@ class TrainStep:
       return Call(params, state, batch, rng, None, layout, own=True, inner_count=count)
     check_state(opt_state)
     counts = (opt_state.mini_step, opt_state.gradient_step, end_window)
-    in_trace = any(isinstance(x, jax.core.Tracer) for x in counts)  # No tree walk.
+    in_trace = traced(counts)  # No walk of the state's tree.
     known, given = None if in_trace else self._known, opt_state.acc_grads
     if known is not None and known.returned(opt_state):
       fresh = ("accumulate", "update") if params is known.params else ("accumulate",)
@@ -201,7 +201,7 @@ class TrainStep:
       if call.inner_count is None:  # Nothing counts updates: no metric, not 1 a window.
         metrics_.pop("update_count")
       return params, state.inner_opt_state, metrics_
-    if isinstance(state.mini_step, jax.core.Tracer):  # The layout it was given.
+    if traced(state.mini_step):  # The layout it was given.
       return params, carried(state, call.given), metrics_
     if known is not None:
       ends = name == "update"
