@@ -233,3 +233,27 @@ def test_no_layout_dispatch_outside_the_layouts_layer():
       if isinstance(node, ast.Attribute) and node.attr in fields | {"packing"}:
         found.append(f"{path.name}:{node.lineno} field .{node.attr}")
   assert not found, found
+
+
+def test_a_layout_is_a_value_of_four_fields_that_no_class_extends():
+  """A layout is a ``Layout`` value built by a factory (``flat_layout`` here):
+  four fields, no registry, and no class anywhere subclasses it."""
+  from flat_layout import FLAT, flat_layout
+
+  from optax_accum._layouts import Layout
+
+  assert Layout._fields == ("reduction", "store", "wrap", "sharded")
+  assert isinstance(FLAT, Layout) and flat_layout() != FLAT  # A new value each call.
+  paths = [
+    *sorted(PACKAGE.rglob("*.py")),
+    pathlib.Path(__file__).with_name("flat_layout.py"),
+  ]
+  bases = [
+    (path.name, node.name)
+    for path in paths
+    for node in ast.walk(ast.parse(path.read_text()))
+    if isinstance(node, ast.ClassDef)
+    and "Layout" in set().union(*map(_named, node.bases))
+  ]
+  assert not bases, bases
+  assert not hasattr(optax_accum._layouts, "register")
