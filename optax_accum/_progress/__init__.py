@@ -4,7 +4,6 @@ The wings above import only these names.
 """
 
 from optax_accum._core._hyperparams import get_hyperparams
-from optax_accum._progress._batch_size import WindowController, WindowControllerState
 from optax_accum._progress._batching import causal_lm_target_mask, split_micro_batches
 from optax_accum._progress._inspect import (
   get_last_window,
@@ -16,6 +15,10 @@ from optax_accum._progress._schedules import (
   ProgressSchedule,
   ProgressState,
   progress_schedule,
+)
+from optax_accum._progress._window_controller import (
+  WindowController,
+  WindowControllerState,
 )
 from optax_accum._progress._window_scaling import (
   ScaleByAdamInItemsState,

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum._progress import _batch_size
+from optax_accum._progress import _window_controller
 from optax_accum._step import _host
 
 DIM, ROWS, TRUE_B = 128, 8, 64.0
@@ -58,7 +58,7 @@ def _rule(measured, ctl, per=ROWS, ks=None):
     else:
       sizes.append(next((k for k in ks if k * per >= target), ks[-1]))
     low, high = reading[1], reading[2]  # One window late.
-    new, ema, spread = _batch_size._measure(
+    new, ema, spread = _window_controller._measure(
       noise, ema, spread, np.float32(ctl.decay), np.float32(ctl.confidence)
     )
     reading = np.asarray(new, np.float64)
