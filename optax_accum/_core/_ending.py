@@ -69,20 +69,16 @@ def end(
     apply_to_params: Return ``params`` with the updates applied (in place
       where the backend allows) rather than the updates.
   """
-  divides, window = config.divides, _transitions.window_of(config, added)
-  positive = ends & _window.has_weight(window)
+  divides, groups = config.divides, _backend.norm_groups(like)
   summed = _transitions.window_of(config, added._replace(acc_grads=sums))
-
-  groups = _backend.norm_groups(like)
+  positive = ends & _window.has_weight(summed)
 
   def checked(_: Any) -> tuple[jax.Array, jax.Array]:
     squares = _window.squares(summed, like, divides, groups)
     return squares, _window.nonfinite(summed, squares)
 
-  dtype = _window.weight(window).dtype
-  squares, flag = _backend.once_if(
-    positive, checked, (jnp.zeros([], dtype), jnp.array(False))
-  )
+  zero = jnp.zeros([], _window.weight(summed).dtype)
+  squares, flag = _backend.once_if(positive, checked, (zero, jnp.array(False)))
   nonfinite = positive & reduction.any(flag, added.acc_weight)
   applies = positive & ~nonfinite
 

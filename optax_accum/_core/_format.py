@@ -44,9 +44,7 @@ def size(n: int) -> str:
     if abs(value) < 1024 or unit == "GiB":
       break
     value /= 1024
-  if unit == "B":
-    return f"{n} B"
-  return f"{value:.{2 if value < 10 else 1}f} {unit}"
+  return f"{n} B" if unit == "B" else f"{value:.{2 if value < 10 else 1}f} {unit}"
 
 
 def short(values: Sequence[float]) -> str:

@@ -22,9 +22,7 @@ def _injected(state: Any, groups: str = "") -> list[tuple[str, str, Any]]:
   ``short`` its ``multi_transform`` groups (``"encoder/attention"``; outside
   any, its path), ``full`` the groups, then its path in the innermost group."""
   types = (*_INJECTED, optax.MultiTransformState)
-  leaves = jax.tree_util.tree_flatten_with_path(
-    state, is_leaf=lambda x: isinstance(x, types)
-  )[0]
+  leaves = jax.tree.leaves_with_path(state, is_leaf=lambda x: isinstance(x, types))
   found: list[tuple[str, str, Any]] = []
   for path, node in leaves:
     if isinstance(node, optax.MultiTransformState):
@@ -93,15 +91,8 @@ def get_hyperparams(opt_state: optax.OptState) -> dict[str, Any]:
       # jnp.asarray unwraps nnx variables.
       by_name.setdefault(name, []).append((short, full, jnp.asarray(value)))
   hyperparams: dict[str, Any] = {}
-  for name, values in by_name.items():
-    if len(values) == 1:
-      hyperparams[name] = values[0][2]
-      continue
-    shorts = [short for short, _, _ in values]
-    hyperparams[name] = {
-      short if shorts.count(short) == 1 else full: value
-      for short, full, value in values
-    }
-  if "learning_rate" in hyperparams:
-    hyperparams = {"learning_rate": hyperparams.pop("learning_rate"), **hyperparams}
+  for name in sorted(by_name, key=lambda name: name != "learning_rate"):
+    shorts = [short for short, _, _ in by_name[name]]
+    labelled = {s if shorts.count(s) == 1 else f: v for s, f, v in by_name[name]}
+    hyperparams[name] = by_name[name][0][2] if len(shorts) == 1 else labelled
   return hyperparams

@@ -15,10 +15,8 @@ Examples:
   >>> from optax_accum._core import _reduction
   >>> noise = empty(jnp.float32)
   >>> for g, w in [(1.0, 1.0), (3.0, 3.0)]:
-  ...   share = unit_share(jnp.array(g), jnp.float32(w), jnp.array(True), "mean",
-  ...                      _reduction.Local())
-  ...   noise = noise._replace(acc_squares=noise.acc_squares + share,
-  ...                          acc_units=noise.acc_units + 1)
+  ...   _, noise = added(noise, jnp.array(g), jnp.float32(w), jnp.array(True), True,
+  ...                    _reduction.Local())
   >>> done = closed(noise, jnp.float32(6.25), jnp.float32(4.0), jnp.array(True),
   ...               jnp.array(True), "mean")
   >>> float(done.trace), float(done.squared_norm), float(done.units)
@@ -68,22 +66,6 @@ def measures(noise: Any) -> bool:
   return isinstance(noise, NoiseScaleState)
 
 
-def unit_share(
-  grads: Any, weight: jax.Array, adds: jax.Array, grad_reduction: str, reduction: Any
-) -> jax.Array:
-  """One unit's term of ``acc_squares`` (0 where it does not add): :math:`w |g|^2`
-  for a gradient of a mean, :math:`|x|^2 / w` for one of a sum (or of a share of
-  the window's mean). ``grads`` in any layout, model-parallel shards summed."""
-  sums = [jnp.zeros([], weight.dtype)]
-  for g in jax.tree.leaves(grads):
-    g = jnp.abs(jnp.asarray(g)).astype(weight.dtype)
-    sums.append(reduction.over_shards(jnp.sum(jnp.square(g)), weight))
-  squares = jnp.sum(jnp.stack(sums))
-  safe = jnp.where(weight > 0, weight, jnp.ones_like(weight))
-  share = squares * weight if grad_reduction == "mean" else squares / safe
-  return jnp.where(adds, share, jnp.zeros_like(share))
-
-
 def check_own(grads: Any, reduction: Any) -> None:
   """Raises ``ValueError`` where a gradient is not this unit's own: summed
   over replicas by JAX already, or a partial sum of one."""
@@ -102,15 +84,30 @@ def check_own(grads: Any, reduction: Any) -> None:
 
 def added(
   noise: NoiseScaleState,
+  grads: Any,
   weight: jax.Array,
-  share: jax.Array,
   adds: jax.Array,
+  of_mean: bool,
   reduction: Any,
 ) -> tuple[jax.Array, NoiseScaleState]:
-  """The micro-batch's weight summed over replicas, and ``noise`` with its
-  units added: one reduction for the three."""
-  local = jnp.stack([weight, share, adds.astype(weight.dtype)])
-  total = reduction.sum(local)
+  """The micro-batch's weight summed over replicas, and ``noise`` with its unit
+  added (where ``adds``): one reduction for the three sums.
+
+  The unit's term of ``acc_squares`` is :math:`w |g|^2` for a gradient of a mean
+  (``of_mean``), else :math:`|x|^2 / w` for one of a sum (or of a share of the
+  window's mean).
+  ``grads`` in any layout, model-parallel shards summed; each replica's own
+  (:func:`check_own`)."""
+  check_own(grads, reduction)
+  sums = [jnp.zeros([], weight.dtype)]
+  for g in jax.tree.leaves(grads):
+    g = jnp.abs(jnp.asarray(g)).astype(weight.dtype)
+    sums.append(reduction.over_shards(jnp.sum(jnp.square(g)), weight))
+  squares = jnp.sum(jnp.stack(sums))
+  safe = jnp.where(weight > 0, weight, jnp.ones_like(weight))
+  share = squares * weight if of_mean else squares / safe
+  share = jnp.where(adds, share, jnp.zeros_like(share))
+  total = reduction.sum(jnp.stack([weight, share, adds.astype(weight.dtype)]))
   return total[0], noise._replace(
     acc_squares=noise.acc_squares + total[1].astype(noise.acc_squares.dtype),
     acc_units=noise.acc_units + total[2].astype(noise.acc_units.dtype),
@@ -139,8 +136,7 @@ def closed(
   dtype = noise.acc_squares.dtype
   squares, weight = squares.astype(dtype), weight.astype(dtype)
   k = noise.acc_units
-  positive = weight > 0
-  w = jnp.where(positive, weight, jnp.ones_like(weight))
+  w = jnp.where(weight > 0, weight, jnp.ones_like(weight))
   sums = noise.acc_squares * (w * w if grad_reduction == "window_mean" else 1)
   mean_square = sums / w  # A.
   many = applies & (k >= 2)
@@ -150,22 +146,15 @@ def closed(
   # Squares that overflowed (a finite gradient whose norm does not fit) give
   # no estimate, as a window that applied none.
   finite = jnp.isfinite(trace) & jnp.isfinite(norm)
-  trace = jnp.where(many & finite, trace, jnp.zeros_like(k))
-  norm = jnp.where(many & finite, norm, jnp.zeros_like(k))
+  trace, norm = (jnp.where(many & finite, x, jnp.zeros_like(k)) for x in (trace, norm))
   units = jnp.where(applies & finite, k, jnp.zeros_like(k))
   zero = jnp.zeros_like(k)
-  return NoiseScaleState(
-    acc_squares=jnp.where(ends, zero, noise.acc_squares),
-    acc_units=jnp.where(ends, zero, k),
-    squared_norm=jnp.where(ends, norm, noise.squared_norm),
-    trace=jnp.where(ends, trace, noise.trace),
-    units=jnp.where(ends, units, noise.units),
-  )
+  ended = NoiseScaleState(zero, zero, norm, trace, units)
+  return jax.tree.map(lambda new, old: jnp.where(ends, new, old), ended, noise)
 
 
 def metric(noise: NoiseScaleState, updated: ArrayLike = True) -> dict[str, jax.Array]:
   """The step's ``noise_scale`` metric: the last window's estimates where
   ``updated`` (the call ended a window with an update), else zeros."""
-  fields = {"squared_norm": noise.squared_norm, "trace": noise.trace}
-  fields["units"] = noise.units
-  return {name: jnp.where(updated, x, jnp.zeros_like(x)) for name, x in fields.items()}
+  fields = zip(NoiseScaleState._fields[2:], noise[2:], strict=True)  # Estimates.
+  return {name: jnp.where(updated, x, jnp.zeros_like(x)) for name, x in fields}

@@ -27,19 +27,16 @@ _EXPECTED = (
 )
 
 
-@functools.partial(
-  jax.tree_util.register_dataclass,
-  data_fields=["window", "negative"],
-  meta_fields=["value_dtypes", "weight_dtype"],
-)
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _Carry:
   """The loop's carry: the window's sums, and the dtypes the result takes."""
 
   window: _window.Window  # sum_i w_i v_i (float32 at least) and sum_i w_i.
   negative: jax.Array  # int32 []: micro-batches whose weight was negative.
-  value_dtypes: tuple[Any, ...]  # Each value leaf's dtype, in tree order.
-  weight_dtype: Any
+  # Each value leaf's dtype, in tree order, and the weight's.
+  value_dtypes: tuple[Any, ...] = dataclasses.field(metadata={"static": True})
+  weight_dtype: Any = dataclasses.field(metadata={"static": True})
 
 
 def weighted_mean_accumulator() -> optax.microbatching.Accumulator:
@@ -157,14 +154,12 @@ def _init(output_like: Any) -> _Carry:
   _check_weight(weight)
   _check_floating(value)
   dtypes = tuple(jnp.dtype(leaf.dtype) for leaf in jax.tree.leaves(value))
-  negative = jnp.zeros([], jnp.int32)
-  (window,) = _window.empty(value)
+  negative, (window,) = jnp.zeros([], jnp.int32), _window.empty(value)
   return _Carry(window, negative, dtypes, jnp.dtype(weight.dtype))
 
 
 def _update(carry: _Carry, output: Any, index: Any) -> _Carry:
   """``carry`` with one micro-batch's ``(value, weight)`` added."""
-  del index
   value, weight = _pair(output)
   one = (carry.window,)
   kept = _window.admit(one, (value,), (None,), (weight,), reduction=_LOCAL)
@@ -176,8 +171,7 @@ def _update(carry: _Carry, output: Any, index: Any) -> _Carry:
 def _finalize(carry: _Carry) -> tuple[Any, jax.Array]:
   """``(weighted mean, total weight)``; zeros where the total weight is 0, NaN
   after a negative weight."""
-  window = carry.window
-  total = window.acc_weight
+  window, total = carry.window, carry.window.acc_weight
   # Without weight nothing was added: the sums are zeros, and so is sum / 1.
   divisor = jnp.where(total > 0, total, jnp.ones_like(total))
   like = jax.tree.unflatten(jax.tree.structure(window.acc_grads), carry.value_dtypes)
@@ -190,9 +184,8 @@ def _poisoned(tree: Any, bad: jax.Array) -> Any:
   """``tree`` with its floating leaves NaN where ``bad``; other leaves as they are."""
 
   def leaf(x: jax.Array) -> jax.Array:
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-      return x
-    return jnp.where(bad, jnp.full_like(x, jnp.nan), x)
+    floating = jnp.issubdtype(x.dtype, jnp.inexact)
+    return jnp.where(bad, jnp.full_like(x, jnp.nan), x) if floating else x
 
   return jax.tree.map(leaf, tree)
 

@@ -33,10 +33,8 @@ _LINE_SEARCHES = (
 def window_of(config: MultiStepsConfig, state: MultiStepsState) -> _window.Terms:
   """The window in progress of a state, one window per loss term."""
   noise = state.noise_scale if config.noise_scale else None
-  window = _window.Window(
-    state.mini_step, state.acc_grads, state.acc_weight, state.acc_loss, noise
-  )
-  return _window.split(window, config.terms)
+  fields = (state.mini_step, state.acc_grads, state.acc_weight, state.acc_loss, noise)
+  return _window.per_term_windows(_window.Window(*fields), config.terms)
 
 
 def empty_window(config: MultiStepsConfig, params: Any) -> _window.Terms:
@@ -48,7 +46,7 @@ def with_window(
   config: MultiStepsConfig, state: MultiStepsState, window: _window.Terms
 ) -> MultiStepsState:
   """``state`` holding ``window``; without noise measurements, keeps the state's."""
-  fields = _window.joined(window, config.terms)._asdict()
+  fields = _window.as_state_fields(window, config.terms)._asdict()
   if fields["noise_scale"] is None:
     del fields["noise_scale"]
   return state._replace(**fields)
@@ -63,11 +61,19 @@ def _screened(
   reduction: Any,
 ) -> tuple[jax.Array, Any]:
   """Whether ``should_skip_update_fn`` lets the micro-batch count, and its state:
-  it sees the whole gradient (:func:`_whole`), one replica's rejection rejects on
-  all, and ``skip_state`` is its leaves' maximum over the replicas."""
+  it sees the micro-batch's gradient over all replicas as one device computes it
+  (means averaged by the replicas' weights, NaN for a non-finite weight: one more
+  gradient reduction per micro-batch), one replica's rejection rejects on all,
+  and ``skip_state`` is its leaves' maximum over the replicas."""
   if config.should_skip_update_fn is None:
     return jnp.array(True), state.skip_state
-  whole = _whole(config, state, grads, weight, reduction)
+  if not reduction.axes:
+    whole = reduction.window_gradient(grads)
+  else:
+    dtype = jnp.result_type(jax.tree.leaves(state.acc_weight)[0])
+    terms = zip(*_per_term(config, grads, weight, None)[:2], strict=True)
+    each = tuple(_whole_term(config, g, w, dtype, reduction) for g, w in terms)
+    whole = _window.stored(each, config.terms)
   skip, skip_state = config.should_skip_update_fn(whole, state.gradient_step, params)
   if (jnp.result_type(skip), jnp.shape(skip)) != (jnp.bool_, ()):
     raise ValueError(
@@ -78,28 +84,10 @@ def _screened(
   return ~skip, reduction.agree(skip_state)
 
 
-def _whole(
-  config: MultiStepsConfig,
-  state: MultiStepsState,
-  grads: Any,
-  weight: Any,
-  reduction: Any,
-) -> Any:
-  """The micro-batch's gradient over all replicas, as one device computes it
-  (means averaged by the replicas' weights, NaN for a non-finite weight): one
-  more gradient reduction per micro-batch."""
-  if not reduction.axes:
-    return reduction.window_gradient(grads)
-  dtype = jnp.result_type(jax.tree.leaves(state.acc_weight)[0])
-  terms = zip(*_per_term(config, grads, weight, None)[:2], strict=True)
-  whole = tuple(_whole_term(config, g, w, dtype, reduction) for g, w in terms)
-  return whole if config.terms is not None else whole[0]
-
-
 def _whole_term(
   config: MultiStepsConfig, grads: Any, weight: Any, dtype: Any, reduction: Any
 ) -> Any:
-  """One term's :func:`_whole` over replicas."""
+  """One term's gradient over replicas, as :func:`_screened` shows it."""
   if config.grad_reduction != "mean":
     return jax.tree.map(reduction.sum, grads)
   w = reduction.own(_checks.scalar(weight, name="weight", dtype=dtype))
@@ -158,15 +146,8 @@ def add_micro_batch(
   grads, weight, loss = _per_term(config, grads, weight, loss)
   window = window_of(config, state)
   drop = config.on_nonfinite == "skip_micro_batch"
-  kept = _window.admit(
-    window,
-    grads,
-    loss,
-    weight,
-    reduction=reduction,
-    counted=counted,
-    drop_nonfinite=drop,
-  )
+  policy = dict(reduction=reduction, counted=counted, drop_nonfinite=drop)
+  kept = _window.admit(window, grads, loss, weight, **policy)
   weigh = config.grad_reduction == "mean"
   window = _window.add(window, grads, loss, kept, reduction=reduction, weigh=weigh)
   dropped = kept[0].dropped  # By its weight or its values, in every term.
@@ -191,14 +172,12 @@ def _per_term(
     names = config.terms
     losses = (None,) * len(names) if loss is None else by_term(names, loss, "loss")
     return grads, by_term(names, weight, "weight"), losses
-  if weight is None:
-    if config.grad_reduction == "sum":
-      raise ValueError(
-        "`weight` is required with grad_reduction='sum': the number of "
-        "items behind each summed-loss gradient normalises the window."
-      )
-    weight = 1
-  return (grads,), (weight,), (loss,)
+  if weight is None and config.grad_reduction == "sum":
+    raise ValueError(
+      "`weight` is required with grad_reduction='sum': the number of "
+      "items behind each summed-loss gradient normalises the window."
+    )
+  return (grads,), (1 if weight is None else weight,), (loss,)
 
 
 def by_term(names: tuple[str, ...], values: Any, what: str) -> tuple[Any, ...]:
@@ -232,8 +211,7 @@ def window_ends(
   end_window: ArrayLike | None = None,
 ) -> jax.Array:
   """Whether the micro-batch just added ends the window."""
-  k = config.k_at(added.gradient_step)
-  ends = jnp.asarray(counted) & full(added.mini_step, k)
+  ends = jnp.asarray(counted) & full(added.mini_step, config.k_at(added.gradient_step))
   if end_window is not None:
     ends = ends | _checks.scalar(end_window, name="end_window", dtype=jnp.bool_)
   return ends
@@ -252,12 +230,8 @@ def run_inner(
   hand them on to a ``value_fn`` that does not take them."""
   inner_state = added.inner_opt_state
   if not _hyperparams.find_states(inner_state, _LINE_SEARCHES):
-    window = window_of(config, added)
-    totals = {
-      WINDOW_WEIGHT: _window.weight(window),
-      WINDOW_MICRO_STEPS: added.mini_step,
-    }
-    extra_args = {**extra_args, **totals}
+    weight, steps = _window.weight(window_of(config, added)), added.mini_step
+    extra_args = {**extra_args, WINDOW_WEIGHT: weight, WINDOW_MICRO_STEPS: steps}
   updates, inner = opt.update(grads, inner_state, params, **extra_args)
   inner = jax.tree.map(
     lambda new, old: jnp.asarray(new).astype(jnp.result_type(old)), inner, inner_state
@@ -279,13 +253,11 @@ def closed(
   """The state after the window's end (where ``ends``); ``divided_loss`` is its
   :meth:`MultiSteps.window_loss`, ``squares`` its gradient's squared norm."""
   window = window_of(config, added)
-  noise = added.noise_scale
+  noise, weight = added.noise_scale, _window.weight(window)
   if config.noise_scale:
-    weight = _window.weight(window)
     if not config.divides and config.grad_reduction != "window_mean":
       squares = squares / jnp.where(weight > 0, weight * weight, 1)  # Of the mean.
-    mode = config.grad_reduction
-    noise = _noise.closed(noise, squares, weight, ends, applies, mode)
+    noise = _noise.closed(noise, squares, weight, ends, applies, config.grad_reduction)
   return with_window(config, added, _window.reset(window, ends))._replace(
     noise_scale=noise,
     gradient_step=_count_if(applies, added.gradient_step),
@@ -293,9 +265,7 @@ def closed(
     updated=applies,
     skipped_windows=_count_if(nonfinite, added.skipped_windows),
     last_window_loss=_kept_unless(ends, divided_loss, added.last_window_loss),
-    last_window_weight=_kept_unless(
-      ends, _window.weight(window), added.last_window_weight
-    ),
+    last_window_weight=_kept_unless(ends, weight, added.last_window_weight),
   )
 
 

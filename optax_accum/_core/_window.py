@@ -6,9 +6,9 @@ sum of ``weight_t * grad_t``, ``W_t`` of ``weight_t``), and no ``W_t`` is known
 before the window ends. So a window is a tuple of :class:`Window`, one per loss
 term in declared order, and a window without terms is one term. Pure functions:
 admit a micro-batch, add it, end the window in its gradient and squared norm,
-reset; :func:`split` and :func:`joined` convert to and from the state's fields.
-No optax and no collectives: what is summed over replicas goes through the
-caller's ``reduction`` policy (:mod:`optax_accum._core._reduction`).
+reset; :func:`per_term_windows` and :func:`as_state_fields` convert from and to
+the state's fields. No optax and no collectives: what is summed over replicas
+goes through the caller's ``reduction`` policy (:mod:`optax_accum._core._reduction`).
 
 Examples:
   Two micro-batches of 1 and 3 items; the window's gradient is their item mean:
@@ -39,6 +39,7 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -88,10 +89,13 @@ def accumulator_dtype(leaf_dtype: DTypeLike, chosen: DTypeLike | None = None) ->
   if chosen is not None:
     return jnp.dtype(chosen)
   complex_ = jnp.issubdtype(leaf_dtype, jnp.complexfloating)
-  floor = jnp.dtype(jnp.complex64 if complex_ else jnp.float32)
-  return (
-    jnp.dtype(leaf_dtype) if jnp.dtype(leaf_dtype).itemsize > floor.itemsize else floor
-  )
+  return _wider(jnp.complex64 if complex_ else jnp.float32, leaf_dtype)
+
+
+def _wider(a: DTypeLike, b: DTypeLike) -> Any:
+  """The wider of two dtypes; ``a`` where they are as wide."""
+  a, b = jnp.dtype(a), jnp.dtype(b)
+  return a if a.itemsize >= b.itemsize else b
 
 
 def _empty(params: Any, dtype: DTypeLike | None = None) -> Window:
@@ -100,14 +104,11 @@ def _empty(params: Any, dtype: DTypeLike | None = None) -> Window:
     lambda p: jnp.zeros_like(p, dtype=accumulator_dtype(jnp.result_type(p), dtype)),
     params,
   )
-  floats = [jnp.dtype(jnp.float32)] + [
-    d
-    for d in (jnp.dtype(a.dtype) for a in jax.tree.leaves(acc))
-    if jnp.issubdtype(d, jnp.floating)
-  ]
-  weight_dtype = max(floats, key=lambda d: d.itemsize)
+  dtypes = [a.dtype for a in jax.tree.leaves(acc)]
+  floats = [d for d in dtypes if jnp.issubdtype(d, jnp.floating)]
+  wide = functools.reduce(_wider, floats, jnp.float32)
   # Each field its own buffer: a state is donated leaf by leaf.
-  weight, loss = jnp.zeros([], weight_dtype), jnp.zeros([], weight_dtype)
+  weight, loss = jnp.zeros([], wide), jnp.zeros([], wide)
   return Window(jnp.zeros([], jnp.int32), acc, weight, loss)
 
 
@@ -119,72 +120,19 @@ def all_finite(*trees: Any) -> jax.Array:
   return finite
 
 
-def _admit(
-  window: Window,
-  grads: Any,
-  loss: ArrayLike | None,
-  weight: ArrayLike,
-  *,
-  reduction: Any,
-  counted: ArrayLike = True,
-  drop_nonfinite: bool = False,
-) -> Admission:
-  """What a micro-batch adds (the bad-weight and non-finite policy): a negative or
-  non-finite weight on any replica, or with ``drop_nonfinite`` a non-finite
-  gradient or loss, drops it on all, though it counts towards ``k``; weight 0 and
-  ``counted=False`` add nothing and drop nothing."""
-  w = _checks.scalar(weight, name="weight", dtype=window.acc_weight.dtype)
-  w, counted = reduction.own(w), jnp.asarray(counted)
-  shards = (w, window.acc_weight)
-  dropped = reduction.any(counted & ~(jnp.isfinite(w) & (w >= 0)), shards)
-  adds = counted & ~dropped & (w > 0)
-  if drop_nonfinite:
-    bad = reduction.any(adds & ~all_finite(grads, () if loss is None else loss), shards)
-    adds, dropped = adds & ~bad, dropped | (counted & bad)
-  return Admission(jnp.where(adds, w, jnp.zeros_like(w)), adds, counted, dropped)
-
-
-def _wider(a: Any, b: Any) -> Any:
-  return a if jnp.dtype(a).itemsize >= jnp.dtype(b).itemsize else b
+def _zeroed(where: ArrayLike, x: jax.Array) -> jax.Array:
+  """Zeros where ``where``, ``x`` elsewhere."""
+  return jnp.where(where, jnp.zeros_like(x), x)
 
 
 def _times(x: jax.Array, factor: jax.Array) -> jax.Array:
   """``x * factor`` for a replicated scalar ``factor``; for ``unreduced`` partial
   sums ``factor`` is typed ``reduced`` over the same axes, which moves nothing."""
   sharding = jax.typeof(x).sharding
-  spec = getattr(sharding, "spec", None)
-  axes: frozenset[str] = getattr(spec, "unreduced", frozenset())
+  axes = getattr(getattr(sharding, "spec", None), "unreduced", ())
   if axes:
-    reduced = NamedSharding(sharding.mesh, P(reduced=set(axes)))
-    factor = jax.reshard(factor, reduced)
+    factor = jax.reshard(factor, NamedSharding(sharding.mesh, P(reduced=set(axes))))
   return x * factor
-
-
-def _weighted(
-  x: Any,
-  dtype: Any,
-  kept: Admission,
-  total: jax.Array,
-  weigh: bool,
-  name: str,
-  reduction: Any,
-) -> jax.Array:
-  """``weight * x`` (or ``x``) where the micro-batch adds, else 0, at least as wide
-  as the weight: a float16 accumulator must not turn a weight of 70000 into inf."""
-  x = jnp.asarray(x).astype(_wider(dtype, kept.weight.dtype))
-  if not reduction.summed_already(x):
-    x = _times(x, kept.weight.astype(x.dtype)) if weigh else x
-    return jnp.where(kept.adds, x, jnp.zeros_like(x))
-  if weigh:
-    raise ValueError(
-      f"{name} is already summed over mesh axis "
-      f"{reduction.summed_already(x)[0]!r} (JAX's autodiff sums the gradient of "
-      "params that enter shard_map replicated), so the per-replica weights "
-      "cannot be applied. Use grad_reduction='sum' with a summed loss, or make "
-      "the params per-replica first: jax.lax.pcast(params, axis, to='varying') "
-      "(make_train_step does this)."
-    )
-  return jnp.where(kept.counted & (total > 0), x, jnp.zeros_like(x))
 
 
 def _rounded(x: jax.Array, dtype: Any) -> jax.Array:
@@ -200,62 +148,48 @@ def _rounded(x: jax.Array, dtype: Any) -> jax.Array:
 
 
 def _add(
-  window: Window,
-  grads: Any,
-  loss: ArrayLike | None,
-  kept: Admission,
-  *,
-  reduction: Any,
-  weigh: bool = True,
+  window: Window, grads: Any, loss: Any, kept: Admission, reduction: Any, weigh: bool
 ) -> Window:
-  """``window`` with an admitted micro-batch added: with ``weigh`` the gradient and
-  loss are means, times the weight, else sums; each add rounds once, and the
-  window's first micro-batch overwrites the accumulator."""
+  """One term's :func:`add`."""
   noise = window.noise_scale
   if _noise.measures(noise):
-    _noise.check_own(grads, reduction)
-    mode = "mean" if weigh else "sum"
-    share = _noise.unit_share(grads, kept.weight, kept.adds, mode, reduction)
-    total, noise = _noise.added(noise, kept.weight, share, kept.adds, reduction)
+    total, noise = _noise.added(noise, grads, kept.weight, kept.adds, weigh, reduction)
   else:
     total = reduction.sum(kept.weight)
+
+  def weighted(x: Any, dtype: Any, name: str) -> jax.Array:
+    """``weight * x`` (or ``x``) where the micro-batch adds, else 0, at least as
+    wide as the weight: a float16 sum must not turn a weight of 70000 into inf."""
+    x = jnp.asarray(x).astype(_wider(dtype, kept.weight.dtype))
+    if not reduction.summed_already(x):
+      x = _times(x, kept.weight.astype(x.dtype)) if weigh else x
+      return jnp.where(kept.adds, x, jnp.zeros_like(x))
+    if weigh:
+      raise ValueError(
+        f"{name} is already summed over mesh axis "
+        f"{reduction.summed_already(x)[0]!r} (JAX's autodiff sums the gradient of "
+        "params that enter shard_map replicated), so the per-replica weights "
+        "cannot be applied. Use grad_reduction='sum' with a summed loss, or make "
+        "the params per-replica first: jax.lax.pcast(params, axis, to='varying') "
+        "(make_train_step does this)."
+      )
+    return jnp.where(kept.counted & (total > 0), x, jnp.zeros_like(x))
+
   acc_loss = window.acc_loss
   if loss is not None:
     loss = _checks.scalar(loss, name="loss", dtype=acc_loss.dtype)
-    term = _weighted(loss, acc_loss.dtype, kept, total, weigh, "`loss`", reduction)
-    acc_loss = acc_loss + reduction.sum(term)
+    acc_loss = acc_loss + reduction.sum(weighted(loss, acc_loss.dtype, "`loss`"))
   first = window.mini_step == 0
 
   def accumulate(path: Any, acc: jax.Array, g: Any) -> jax.Array:
     name = f"`updates` leaf {jax.tree_util.keystr(path)}"
-    term = _weighted(g, acc.dtype, kept, total, weigh, name, reduction)
-    term = reduction.gradient(term)
-    start = jnp.where(first, jnp.zeros_like(acc), acc).astype(term.dtype)
+    term = reduction.gradient(weighted(g, acc.dtype, name))
+    start = _zeroed(first, acc).astype(term.dtype)
     return _rounded(start + term, acc.dtype)
 
-  return Window(
-    mini_step=jnp.where(kept.counted, _increment(window.mini_step), window.mini_step),
-    acc_grads=jax.tree_util.tree_map_with_path(accumulate, window.acc_grads, grads),
-    acc_weight=window.acc_weight + total,
-    acc_loss=acc_loss,
-    noise_scale=noise,
-  )
-
-
-def _spoil(window: Window, where: ArrayLike) -> Window:
-  """``window`` with a NaN sum where ``where``, so it ends without an update: for
-  shares of the window's mean, which cannot drop one micro-batch alone.
-
-  Examples:
-    >>> w = _spoil(_empty(jnp.zeros(2)), True)
-    >>> bool(jnp.isnan(_squares(w, jnp.zeros(2))))
-    True
-  """
-  where = jnp.asarray(where)
-  acc = jax.tree.map(
-    lambda a: jnp.where(where, jnp.full_like(a, jnp.nan), a), window.acc_grads
-  )
-  return window._replace(acc_grads=acc)
+  mini_step = jnp.where(kept.counted, _increment(window.mini_step), window.mini_step)
+  grads = jax.tree_util.tree_map_with_path(accumulate, window.acc_grads, grads)
+  return Window(mini_step, grads, window.acc_weight + total, acc_loss, noise)
 
 
 def _increment(count: jax.Array) -> jax.Array:
@@ -277,48 +211,6 @@ def _gradient(window: Window, like: Any, divide: bool = True) -> Any:
     return product.astype(jnp.result_type(like))
 
   return jax.tree.map(leaf, window.acc_grads, like)
-
-
-def _squares(
-  window: Window, like: Any, divide: bool = True, groups: Groups = ()
-) -> jax.Array:
-  """The squared norm of :func:`gradient`: NaN exactly when an element is not
-  finite (:func:`~optax_accum._core._backend.nan_marker`), inf when only the
-  squares overflow; one pass serves both the finite check and the norm.
-
-  ``groups``: leaves of one shape whose sums are one variadic reduction, a
-  kernel (:func:`~optax_accum._core._backend.norm_groups`); the others are a
-  reduction each. The sums are added in leaf order."""
-  dtype = window.acc_weight.dtype
-
-  def terms(g: jax.Array) -> jax.Array:
-    g = jnp.abs(g).astype(dtype)
-    return jnp.square(g) + _backend.nan_marker(g)
-
-  leaves = [terms(g) for g in jax.tree.leaves(_gradient(window, like, divide))]
-  sums: list[Any] = [None] * len(leaves)
-  for group in groups:  # One variadic reduction: a sum per leaf, one kernel.
-    parts = [leaves[i] for i in group]
-    zeros = [jnp.zeros([], dtype)] * len(parts)
-    dims = tuple(range(jnp.ndim(parts[0])))
-    add = lambda a, b: [x + y for x, y in zip(a, b, strict=True)]  # noqa: E731
-    for i, s in zip(group, jax.lax.reduce(parts, zeros, add, dims), strict=True):
-      sums[i] = s
-  total = jnp.zeros([], dtype)
-  for i, g in enumerate(leaves):
-    total = total + (jnp.sum(g) if sums[i] is None else sums[i])
-  return total
-
-
-def _reset(window: Window, ends: ArrayLike) -> Window:
-  """An empty window where ``ends``, ``window`` elsewhere; a selection, so no NaN
-  reaches the next window. Noise measurements are left to ``_noise.closed``."""
-
-  def zero(x: jax.Array) -> jax.Array:
-    return jnp.where(ends, jnp.zeros_like(x), x)
-
-  sums = Window._fields[:-1]
-  return window._replace(**{f: jax.tree.map(zero, getattr(window, f)) for f in sums})
 
 
 def _mean_loss(window: Window, shares: bool = False) -> jax.Array:
@@ -347,19 +239,18 @@ def stored(entries: tuple[Any, ...], names: Names) -> Any:
   return entries[0] if names is None else tuple(entries)
 
 
-def split(window: Window, names: Names) -> Terms:
-  """A state's window as one window per term; noise measurements ride on the first."""
-  fields = (per_term(f, names) for f in window[1:-1])
-  parts = [Window(window.mini_step, *f) for f in zip(*fields, strict=True)]
-  parts[0] = parts[0]._replace(noise_scale=window.noise_scale)
-  return tuple(parts)
+def per_term_windows(window: Window, names: Names) -> Terms:
+  """A state's window fields as one window per term; noise measurements ride on
+  the first."""
+  fields = zip(*(per_term(f, names) for f in window[1:-1]), strict=True)
+  parts = [Window(window.mini_step, *f) for f in fields]
+  return (parts[0]._replace(noise_scale=window.noise_scale), *parts[1:])
 
 
-def joined(window: Terms, names: Names) -> Window:
-  """The inverse of :func:`split`: ``window`` as a state's fields."""
+def as_state_fields(window: Terms, names: Names) -> Window:
+  """The inverse of :func:`per_term_windows`: ``window`` as a state's fields."""
   fields = (stored(f, names) for f in list(zip(*window, strict=True))[1:-1])
-  joined = Window(window[0].mini_step, *fields)
-  return joined._replace(noise_scale=window[0].noise_scale)
+  return Window._make((window[0].mini_step, *fields, window[0].noise_scale))
 
 
 def empty(params: Any, dtype: DTypeLike | None = None, terms: Names = None) -> Terms:
@@ -377,23 +268,29 @@ def admit(
   counted: ArrayLike = True,
   drop_nonfinite: bool = False,
 ) -> tuple[Admission, ...]:
-  """What a micro-batch adds to each term (one term's rule: ``_admit``); a
-  micro-batch dropped in any term is dropped in all."""
-  policy = dict(reduction=reduction, counted=counted, drop_nonfinite=drop_nonfinite)
-  each = tuple(
-    _admit(part, g, value, w, **policy)
-    for part, g, value, w in zip(window, grads, loss, weight, strict=True)
-  )
+  """What a micro-batch adds to each term (the bad-weight and non-finite policy):
+  a negative or non-finite weight on any replica, or with ``drop_nonfinite`` a
+  non-finite gradient or loss, drops it on all and in every term, though it counts
+  towards ``k``; weight 0 and ``counted=False`` add nothing and drop nothing."""
+
+  def one(part: Window, grads: Any, loss: Any, weight: Any) -> Admission:
+    w = _checks.scalar(weight, name="weight", dtype=part.acc_weight.dtype)
+    w, seen = reduction.own(w), jnp.asarray(counted)
+    shards = (w, part.acc_weight)
+    dropped = reduction.any(seen & ~(jnp.isfinite(w) & (w >= 0)), shards)
+    adds = seen & ~dropped & (w > 0)
+    if drop_nonfinite:
+      finite = all_finite(grads, () if loss is None else loss)
+      bad = reduction.any(adds & ~finite, shards)
+      adds, dropped = adds & ~bad, dropped | (seen & bad)
+    return Admission(jnp.where(adds, w, jnp.zeros_like(w)), adds, seen, dropped)
+
+  each = tuple(one(*t) for t in zip(window, grads, loss, weight, strict=True))
   if len(each) == 1:
     return each
   dropped = jnp.any(jnp.stack([a.dropped for a in each]))
   return tuple(
-    Admission(
-      jnp.where(dropped, jnp.zeros_like(a.weight), a.weight),
-      a.adds & ~dropped,
-      a.counted,
-      dropped,
-    )
+    Admission(_zeroed(dropped, a.weight), a.adds & ~dropped, a.counted, dropped)
     for a in each
   )
 
@@ -407,16 +304,24 @@ def add(
   reduction: Any,
   weigh: bool = True,
 ) -> Terms:
-  """``window`` with an admitted micro-batch added, term by term."""
-  return tuple(
-    _add(part, g, value, k, reduction=reduction, weigh=weigh)
-    for part, g, value, k in zip(window, grads, loss, kept, strict=True)
-  )
+  """``window`` with an admitted micro-batch added, term by term: with ``weigh``
+  the gradient and loss are means, times the weight, else sums; each add rounds
+  once, and the window's first micro-batch overwrites the accumulator."""
+  terms = zip(window, grads, loss, kept, strict=True)
+  return tuple(_add(*term, reduction, weigh) for term in terms)
 
 
 def spoil(window: Terms, where: ArrayLike) -> Terms:
-  """Every term spoiled where ``where`` (one term's rule: ``_spoil``)."""
-  return tuple(_spoil(part, where) for part in window)
+  """Every term with a NaN sum where ``where``, so that the window ends without an
+  update: for shares of the window's mean, which cannot drop one micro-batch alone.
+
+  Examples:
+    >>> w = spoil(empty(jnp.zeros(2)), True)
+    >>> bool(jnp.isnan(squares(w, jnp.zeros(2))))
+    True
+  """
+  nan = lambda a: jnp.where(where, jnp.full_like(a, jnp.nan), a)  # noqa: E731
+  return tuple(p._replace(acc_grads=jax.tree.map(nan, p.acc_grads)) for p in window)
 
 
 def gradient(window: Terms, like: Any, divide: bool = True) -> Any:
@@ -426,11 +331,8 @@ def gradient(window: Terms, like: Any, divide: bool = True) -> Any:
     return _gradient(window[0], like, divide)
   total = None
   for part in window:
-    some = part.acc_weight > 0
-    grad = jax.tree.map(
-      lambda g, some=some: jnp.where(some, g, jnp.zeros_like(g)),
-      _gradient(part, like, divide),
-    )
+    some, grad = part.acc_weight > 0, _gradient(part, like, divide)
+    grad = jax.tree.map(lambda g, s=some: jnp.where(s, g, jnp.zeros_like(g)), grad)
     total = grad if total is None else jax.tree.map(jnp.add, total, grad)
   return total
 
@@ -438,27 +340,46 @@ def gradient(window: Terms, like: Any, divide: bool = True) -> Any:
 def squares(
   window: Terms, like: Any, divide: bool = True, groups: Groups = ()
 ) -> jax.Array:
-  """The squared norm of :func:`gradient`, NaN where it is not finite (one
-  term's rule: ``_squares``)."""
-  if len(window) == 1:
-    return _squares(window[0], like, divide, groups)
-  one = jnp.ones([], window[0].acc_weight.dtype)
-  total = Window(window[0].mini_step, gradient(window, like, divide), one, one)
-  return _squares(total, like, False, groups)
+  """The squared norm of :func:`gradient`: NaN exactly when an element is not
+  finite (:func:`~optax_accum._core._backend.nan_marker`), inf when only the
+  squares overflow; one pass serves both the finite check and the norm.
+
+  ``groups``: leaves of one shape whose sums are one variadic reduction, a
+  kernel (:func:`~optax_accum._core._backend.norm_groups`); the others are a
+  reduction each. The sums are added in leaf order."""
+  part, dtype = window[0], window[0].acc_weight.dtype
+  if len(window) > 1:  # The terms' gradient, as one term of weight 1.
+    one, grads = jnp.ones([], dtype), gradient(window, like, divide)
+    part, divide = Window(part.mini_step, grads, one, one), False
+
+  def terms(g: jax.Array) -> jax.Array:
+    g = jnp.abs(g).astype(dtype)
+    return jnp.square(g) + _backend.nan_marker(g)
+
+  leaves = [terms(g) for g in jax.tree.leaves(_gradient(part, like, divide))]
+  sums: dict[int, jax.Array] = {}
+  for group in groups:  # One variadic reduction: a sum per leaf, one kernel.
+    parts = [leaves[i] for i in group]
+    zeros = [jnp.zeros([], dtype)] * len(parts)
+    dims = tuple(range(jnp.ndim(parts[0])))
+    add = lambda a, b: [x + y for x, y in zip(a, b, strict=True)]  # noqa: E731
+    sums.update(zip(group, jax.lax.reduce(parts, zeros, add, dims), strict=True))
+  each = (sums[i] if i in sums else jnp.sum(g) for i, g in enumerate(leaves))
+  return sum(each, jnp.zeros([], dtype))
 
 
 def nonfinite(window: Terms, squares: jax.Array) -> jax.Array:
   """Whether the window's gradient, losses or weights hold a NaN or an inf."""
-  losses, weights = (
-    tuple(p.acc_loss for p in window),
-    tuple(p.acc_weight for p in window),
-  )
+  losses, weights = [p.acc_loss for p in window], [p.acc_weight for p in window]
   return jnp.isnan(squares) | ~all_finite(losses, weights)
 
 
 def reset(window: Terms, ends: ArrayLike) -> Terms:
-  """An empty window where ``ends`` (one term's rule: ``_reset``)."""
-  return tuple(_reset(part, ends) for part in window)
+  """An empty window where ``ends``, ``window`` elsewhere; a selection, so no NaN
+  reaches the next window. Noise measurements are left to ``_noise.closed``."""
+  zero = functools.partial(_zeroed, ends)
+  # Each term's sums zeroed, its noise_scale (p[-1]) kept:
+  return tuple(Window._make((*jax.tree.map(zero, p[:-1]), p[-1])) for p in window)
 
 
 def has_weight(window: Terms) -> jax.Array:
@@ -481,7 +402,5 @@ def mean_loss(window: Terms, shares: bool = False) -> jax.Array:
 
 def term_metrics(window: Terms, names: tuple[str, ...]) -> dict[str, Any]:
   """Each term's mean loss and total weight so far, by name."""
-  return {
-    name: {"loss": _mean_loss(part), "weight": part.acc_weight}
-    for name, part in zip(names, window, strict=True)
-  }
+  parts = zip(names, window, strict=True)
+  return {name: {"loss": _mean_loss(p), "weight": p.acc_weight} for name, p in parts}
