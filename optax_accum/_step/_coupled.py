@@ -11,21 +11,17 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.stages import Lowered
 
-from optax_accum._core import _checks, _reduction
+from optax_accum._core import _checks, _reduction, _state
 from optax_accum._core._multi_steps import MultiSteps, MultiStepsState
-from optax_accum._core._placement import traced
-from optax_accum._core._state import check_not_holding
-from optax_accum._step._errors import (
-  check_counts_keys,
-  check_not_a_train_state,
-  check_state,
-  explained,
-)
+from optax_accum._core._placement import mesh_of, traced
+from optax_accum._step import _errors
 from optax_accum._step._programs import micro_batch_key
+
+_Out = tuple[Any, Any, Any]  # A step's params, opt_state and metrics.
 
 
 class CoupledLoss(NamedTuple):
@@ -69,14 +65,17 @@ class CoupledLoss(NamedTuple):
 def _on_a_mesh(x: Any) -> bool:
   """Whether ``x`` is on ``Explicit`` mesh axes (a reshape needs ``out_sharding``)."""
   sharding = jax.typeof(x).sharding
-  if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
-    return False
-  return AxisType.Explicit in sharding.mesh.axis_types
+  mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
+  return mesh is not None and not mesh.empty and AxisType.Explicit in mesh.axis_types
 
 
-def _joined(tree: Any) -> Any:
-  """Leaves ``(k, rows, ...)`` as ``(k * rows, ...)``, a window-level leaf ``(k,)``
-  as its first micro-batch's; on a mesh gathered, so the loss sees every row."""
+def _joined(tree: Any, axes: tuple[str, ...]) -> Any:
+  """Leaves ``(k, rows, ...)`` with every replica's rows, in replica order, as
+  ``(k * rows, ...)``, a window-level leaf ``(k,)`` as its first micro-batch's;
+  on a mesh gathered, so the loss sees every row."""
+
+  def gather(x: Any) -> Any:
+    return x if x.ndim < 2 else jax.lax.all_gather(x, axes, axis=1, tiled=True)
 
   def join(x: Any) -> Any:
     if x.ndim == 1:
@@ -84,61 +83,28 @@ def _joined(tree: Any) -> Any:
     shape = (x.shape[0] * x.shape[1], *x.shape[2:])
     return jnp.reshape(x, shape, out_sharding=P() if _on_a_mesh(x) else None)
 
-  return jax.tree.map(join, tree)
-
-
-def _check_rows(window: Any) -> None:
-  """``ValueError`` naming a batch leaf without rows: the window loss sees the
-  window's rows joined, and a per-micro-batch value has no whole-batch one."""
-  for path, x in jax.tree_util.tree_flatten_with_path(window)[0]:
-    if jnp.ndim(x) < 2:
-      raise ValueError(
-        f"batch leaf {jax.tree_util.keystr(path)} has no row axis (shape "
-        f"{jnp.shape(x)[1:]} a micro-batch): a CoupledLoss joins the window's "
-        "rows for window_loss. Give it a value per row, or compute it from "
-        "the rows in window_loss."
-      )
-
-
-def _gathered(tree: Any, axes: tuple[str, ...]) -> Any:
-  """Each row leaf ``(k, rows, ...)`` with every replica's rows, in replica order."""
-
-  def gather(x: Any) -> Any:
-    return x if x.ndim < 2 else jax.lax.all_gather(x, axes, axis=1, tiled=True)
-
-  return jax.tree.map(gather, tree) if axes else tree
+  return jax.tree.map(join, jax.tree.map(gather, tree) if axes else tree)
 
 
 def _own(c: Any, x: Any, axes: tuple[str, ...]) -> Any:
   """The cotangent ``c`` (gathered, joined) cut to ``x``'s micro-batches and this
   replica's rows; a window-level leaf's whole on the first micro-batch of the
   first replica (its gradient is counted once)."""
-  replica = _reduction.replica_index(axes) if axes else jnp.zeros([], jnp.int32)
+  replica = _reduction.replica_index(axes)
   if x.ndim == 1:
     return jnp.zeros_like(x).at[0].set(jnp.where(replica == 0, c, 0))
-  rows = x.shape[1]
   c = c.reshape(x.shape[0], -1, *x.shape[2:])
   if axes:
-    c = jax.lax.dynamic_slice_in_dim(c, replica * rows, rows, axis=1)
+    c = jax.lax.dynamic_slice_in_dim(c, replica * x.shape[1], x.shape[1], axis=1)
   return jax.sharding.reshard(c, jax.typeof(x).sharding) if _on_a_mesh(x) else c
 
 
 def cotangents(
-  coupled: CoupledLoss,
-  params: Any,
-  window: Any,
-  keys: Any = None,
-  axes: tuple[str, ...] = (),
+  coupled: CoupledLoss, params: Any, window: Any, keys: Any, axes: tuple[str, ...]
 ) -> dict[str, Any]:
   """Pass 1: the cotangents ``dL/dz_i`` of this replica's rows, ``L`` broadcast
-  to ``k``, and the weight shares and scales of :func:`surrogate`."""
-
-  def represent(args: Any) -> Any:
-    return coupled.represent(params, *args)
-
-  _check_rows(window)
-  z = jax.lax.map(represent, (window,) if keys is None else (window, keys))
-  batch = _joined(_gathered(window, axes))
+  to ``k``, and the weight shares and scales of the surrogate; ``ValueError``
+  naming a batch leaf without rows."""
 
   def window_loss(z_joined: Any) -> tuple[jax.Array, jax.Array]:
     out = coupled.window_loss(z_joined, batch)
@@ -150,13 +116,21 @@ def cotangents(
       )
     return out
 
-  z_all = _joined(_gathered(z, axes))
-  if axes:  # Varying, or the loss's gradient would come back summed over them.
-    z_all = jax.tree.map(lambda x: _reduction.varying_over(x, axes), z_all)
+  for path, x in jax.tree_util.tree_flatten_with_path(window)[0]:
+    if jnp.ndim(x) < 2:  # window_loss sees the rows joined: a leaf needs rows.
+      raise ValueError(
+        f"batch leaf {jax.tree_util.keystr(path)} has no row axis (shape "
+        f"{jnp.shape(x)[1:]} a micro-batch): a CoupledLoss joins the window's "
+        "rows for window_loss. Give it a value per row, or compute it from "
+        "the rows in window_loss."
+      )
+  z = jax.lax.map(lambda a: coupled.represent(params, *a), (window, *keys))
+  batch = _joined(window, axes)
+  # Varying over axes, or the loss's gradient would come back summed over them.
+  z_all = jax.tree.map(lambda x: _reduction.varying_over(x, axes), _joined(z, axes))
   (loss, weight), grads = jax.value_and_grad(window_loss, has_aux=True)(z_all)
   k = jax.tree.leaves(window)[0].shape[0]
-  replicas = _replicas(axes)
-  shares = weight_shares(weight, k, replicas)
+  shares = weight_shares(weight, k, jax.lax.axis_size(axes) if axes else 1)
   total = jnp.asarray(weight, shares.dtype)
   return {
     "cotangent": jax.tree.map(lambda c, x: _own(c, x, axes), grads, z),
@@ -164,13 +138,6 @@ def cotangents(
     "weight": shares,
     "scale": jnp.where(shares > 0, total / jnp.where(shares > 0, shares, 1), k),
   }
-
-
-def _replicas(axes: tuple[str, ...]) -> int:
-  count = 1
-  for axis in axes:
-    count *= jax.lax.axis_size(axis)
-  return count
 
 
 def weight_shares(weight: Any, k: int, replicas: int = 1) -> jax.Array:
@@ -182,31 +149,8 @@ def weight_shares(weight: Any, k: int, replicas: int = 1) -> jax.Array:
   dtype = jnp.promote_types(jnp.result_type(weight), jnp.float32)
   total = jnp.asarray(weight, dtype) / replicas
   share = total / k
-  added = jnp.zeros([], dtype)
-  for _ in range(k - 1):  # As the accumulator adds them.
-    added = added + share
+  added = sum([share] * (k - 1), jnp.zeros([], dtype))  # As the accumulator does.
   return jnp.concatenate([jnp.full((k - 1,), share, dtype), (total - added)[None]])
-
-
-def surrogate(coupled: CoupledLoss) -> Callable[..., Any]:
-  """Pass 2's loss on ``{"batch", "cotangent", "loss", "weight", "scale"}``: term
-  ``"window"`` of value ``L``, weight ``w_i`` (shares summing to ``W``) and
-  gradient ``W / w_i`` times the VJP, so the window's weighted mean of the
-  ``k`` gradients is ``dL/dparams``."""
-
-  def loss_fn(params: Any, micro: Any, *key: Any) -> Any:
-    z = coupled.represent(params, micro["batch"], *key)
-    products = jax.tree.map(lambda c, zi: jnp.sum(c * zi), micro["cotangent"], z)
-    dot = sum(jax.tree.leaves(products))
-    value = jax.lax.stop_gradient(micro["loss"]) + micro["scale"] * (
-      dot - jax.lax.stop_gradient(dot)
-    )
-    terms = {"window": (value, micro["weight"])}
-    if coupled.loss_fn is not None:
-      terms["examples"] = coupled.loss_fn(params, micro["batch"], *key)
-    return terms
-
-  return loss_fn
 
 
 def coupled_optimizer(coupled: CoupledLoss, optimizer: MultiSteps) -> MultiSteps:
@@ -251,7 +195,8 @@ class CoupledStep:
   """A train step on a :class:`CoupledLoss`: pass 1, then a scan-mode step on the
   surrogate, in one program. Streaming, each call but a window's last puts a
   device copy of its micro-batch in the state's ``held``; the last runs them
-  all as one window."""
+  all as one window. ``optimizer`` is the accumulator the window runs: the
+  given one, with the loss terms."""
 
   def __init__(
     self,
@@ -261,35 +206,34 @@ class CoupledStep:
     mode: str = "scan",
     donate: bool = True,
   ):
-    self.coupled = coupled
-    self.mode = mode
-    self._optimizer = coupled_optimizer(coupled, optimizer)
-    self._step = build(surrogate(coupled), self._optimizer)
-    donated = (0, 1) if donate else ()
-    self._program = jax.jit(self._both_passes, donate_argnums=donated)
-    self._held_program = jax.jit(self._held_window, donate_argnums=donated)
+    self.coupled, self.mode = coupled, mode
+    self.optimizer = coupled_optimizer(coupled, optimizer)
+    self._axes = _checks.axes(self.optimizer.config.axis_name)
+    self._step = build(self._surrogate, self.optimizer)
+    jit = jax.jit(donate_argnums=(0, 1) if donate else ())
+    self._program, self._held_program = jit(self._both_passes), jit(self._held_window)
 
-  @property
-  def optimizer(self) -> MultiSteps:
-    """The accumulator the window runs: the given one, with the loss terms."""
-    return self._optimizer
+  def _surrogate(self, params: Any, micro: Any, *key: Any) -> Any:
+    """Pass 2's loss on ``{"batch", "cotangent", "loss", "weight", "scale"}``:
+    term ``"window"`` of value ``L``, weight ``w_i`` (shares summing to ``W``)
+    and gradient ``W / w_i`` times the VJP, so the window's weighted mean of the
+    ``k`` gradients is ``dL/dparams``."""
+    z = self.coupled.represent(params, micro["batch"], *key)
+    products = jax.tree.map(lambda c, zi: jnp.sum(c * zi), micro["cotangent"], z)
+    dot = sum(jax.tree.leaves(products))
+    grad = micro["scale"] * (dot - jax.lax.stop_gradient(dot))  # Of value 0.
+    terms = {"window": (jax.lax.stop_gradient(micro["loss"]) + grad, micro["weight"])}
+    if self.coupled.loss_fn is not None:
+      terms["examples"] = self.coupled.loss_fn(params, micro["batch"], *key)
+    return terms
 
-  def init(self, params: optax.Params) -> MultiStepsState:
+  def init(self, params: Any) -> MultiStepsState:
     """The state to start from, laid out as the window's step keeps it (one
     sum with ``axis_name``: each replica's rows are summed inside a window)."""
-    if self._optimizer.config.axis_name is not None:
-      return self._optimizer.init(params)
-    return self._step.init(params)
+    one_sum = self.optimizer.config.axis_name is not None
+    return (self.optimizer if one_sum else self._step).init(params)
 
-  def _keys(self, opt_state: Any, k: int, rng: Any, axes: tuple[str, ...]) -> Any:
-    """The keys pass 2 gives the window's micro-batches, for pass 1 too."""
-    if rng is None:
-      return None
-    seen = getattr(opt_state, "micro_batches_seen", 0)
-
-    return jax.vmap(lambda i: micro_batch_key(rng, seen + i, axes))(jnp.arange(k))
-
-  @explained
+  @_errors.explained
   def __call__(
     self,
     params: Any,
@@ -298,48 +242,58 @@ class CoupledStep:
     rng: Any = None,
     *,
     end_window: Any = False,
-  ) -> tuple[Any, Any, Any]:
-    check_not_a_train_state(params)
-    if self.mode == "stream":
-      return self._streamed(params, opt_state, batch, rng, end_window)
-    return self._window(params, opt_state, batch, rng, end_window)
-
-  def _window(
-    self, params: Any, opt_state: Any, batch: Any, rng: Any, end_window: Any = False
-  ) -> tuple[Any, Any, Any]:
-    """A whole window, in one program."""
-    if end_window is not False and bool(end_window):
+  ) -> _Out:
+    """A window in one program; streaming, one micro-batch: held in the state,
+    or the window it ends run whole."""
+    _errors.check_not_a_train_state(params)
+    if self.mode != "stream":
+      if end_window is not False and bool(end_window):
+        raise ValueError(
+          "`end_window` is for streaming: in scan mode every call ends a window."
+        )
+      _state.check_not_holding(opt_state, "a scan-mode step")
+      _errors.check_counts_keys(opt_state, rng)
+      return self._on_mesh(self._program, params, opt_state, batch, rng)
+    if traced(batch, end_window):
       raise ValueError(
-        "`end_window` is for streaming: in scan mode every call ends a window."
+        "A streaming step on a CoupledLoss holds micro-batches between calls, "
+        "which a trace cannot: in your own jit or scan use mode='scan'."
       )
-    check_not_holding(opt_state, "a scan-mode step")
-    check_counts_keys(opt_state, rng)
-    return self._on_mesh(self._program, params, opt_state, batch, rng)
+    given = getattr(opt_state, "held", None) or ()
+    state = opt_state._replace(held=None) if given else opt_state
+    _errors.check_state(state)
+    # A copy (a loader may refill its buffers), host arrays on the host first: a
+    # program reads its host arguments when it runs, after the call returns.
+    own = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else np.array(x), batch)
+    held = (*_like(batch, given), _copied(own))
+    config = self.optimizer.config  # A schedule's k is read from the state (a wait).
+    k = config.constant_k or int(config.k_at(int(jax.device_get(state.gradient_step))))
+    if len(held) < k and not bool(end_window):
+      # Nothing is computed before the window's last (its loss comes with it).
+      metrics = {"micro_steps": np.int32(len(held)), "updated": np.bool_(False)}
+      metrics["update_count"] = state.gradient_step
+      return params, state._replace(held=held), metrics
+    return self._on_mesh(self._held_program, params, state, held, rng)
 
-  def _on_mesh(
-    self, program: Any, params: Any, state: Any, batch: Any, rng: Any
-  ) -> Any:
-    """``program`` called under the batch's mesh where ``axis_name`` needs one
-    and the caller set none (the program then maps over it)."""
-    axes = _checks.axes(self._optimizer.config.axis_name)
-    here = jax.sharding.get_abstract_mesh()
+  def _on_mesh(self, run: Any, params: Any, state: Any, batch: Any, rng: Any) -> Any:
+    """``run`` called under the mesh ``batch`` is split over ``axis_name`` on,
+    where it needs one and the caller set none (the program then maps over it);
+    ``ValueError`` if there is none."""
+    axes, here = self._axes, jax.sharding.get_abstract_mesh()
     if not axes or set(axes) <= set(here.axis_names) or traced(batch):
-      return program(params, state, batch, rng)
-    mesh = _mesh_of(batch, axes)
-    if mesh is None:
-      raise _no_mesh(axes)
-    with jax.set_mesh(mesh):
-      return program(params, state, batch, rng)
+      return run(params, state, batch, rng)
+    for mesh in map(mesh_of, jax.tree.leaves(batch)):
+      if mesh is not None and set(axes) <= set(mesh.axis_names):
+        with jax.set_mesh(mesh):
+          return run(params, state, batch, rng)
+    raise ValueError(_NO_MESH.format(axes=axes))
 
-  def _both_passes(
-    self, params: Any, opt_state: Any, batch: Any, rng: Any
-  ) -> tuple[Any, Any, Any]:
+  def _both_passes(self, params: Any, opt_state: Any, batch: Any, rng: Any) -> _Out:
     """Pass 1, then the scan-mode step on the surrogate (traced, so inlined);
     with ``axis_name`` each replica on its own rows, in a ``shard_map`` over the
     batch's mesh where the caller is in none."""
-    axes = _checks.axes(self._optimizer.config.axis_name)
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.manual_axes and self._optimizer.config.axis_name is None:
+    axes, mesh = self._axes, jax.sharding.get_abstract_mesh()
+    if mesh.manual_axes and self.optimizer.config.axis_name is None:
       manual = tuple(mesh.manual_axes)
       raise ValueError(
         f"The train step runs under the manual mesh axes {manual} (pmap or "
@@ -350,93 +304,35 @@ class CoupledStep:
       )
     if axes and not set(axes) <= set(mesh.manual_axes):
       if not set(axes) <= set(mesh.axis_names):
-        raise _no_mesh(axes)
-      specs = (P(), P(), P(None, axes), P())
-      mapped = jax.shard_map(
-        self._both_passes,
-        mesh=mesh,
-        in_specs=specs,
-        out_specs=P(),
-        axis_names=set(axes),
-      )
-      return mapped(params, opt_state, batch, rng)
-    k = jax.tree.leaves(batch)[0].shape[0]
-    keys = self._keys(opt_state, k, rng, axes)
+        raise ValueError(_NO_MESH.format(axes=axes))
+      names, specs = set(axes), (P(), P(), P(None, axes), P())
+      return jax.shard_map(
+        self._both_passes, mesh=mesh, in_specs=specs, out_specs=P(), axis_names=names
+      )(params, opt_state, batch, rng)
+    k, keys = jax.tree.leaves(batch)[0].shape[0], []
+    if rng is not None:  # The keys pass 2 gives the window's micro-batches.
+      seen = getattr(opt_state, "micro_batches_seen", 0)
+      keys = [jax.vmap(lambda i: micro_batch_key(rng, seen + i, axes))(jnp.arange(k))]
     window = {"batch": batch, **cotangents(self.coupled, params, batch, keys, axes)}
     return self._step(params, opt_state, window, rng)
 
-  def _held_window(
-    self, params: Any, opt_state: Any, held: tuple[Any, ...], rng: Any
-  ) -> tuple[Any, Any, Any]:
+  def _held_window(self, params: Any, opt_state: Any, held: Any, rng: Any) -> _Out:
     """A streamed window's micro-batches, stacked, as one window."""
     window = jax.tree.map(lambda *x: jnp.stack(x), *held)
     return self._both_passes(params, opt_state, window, rng)
 
-  def _streamed(
-    self, params: Any, opt_state: Any, micro_batch: Any, rng: Any, end_window: Any
-  ) -> tuple[Any, Any, Any]:
-    """One micro-batch: held in the state, or the window it ends run whole."""
-    if traced(micro_batch, end_window):
-      raise ValueError(
-        "A streaming step on a CoupledLoss holds micro-batches between calls, "
-        "which a trace cannot: in your own jit or scan use mode='scan'."
-      )
-    given = getattr(opt_state, "held", None) or ()
-    state = opt_state._replace(held=None) if given else opt_state
-    check_state(state)
-    given = _like(micro_batch, given)
-    held = (*given, _device_copy(micro_batch))
-    if len(held) < self._window_size(state) and not bool(end_window):
-      # Nothing is computed before the window's last (its loss comes with it).
-      metrics = {
-        "micro_steps": np.int32(len(held)),
-        "updated": np.bool_(False),
-        "update_count": state.gradient_step,
-      }
-      return params, state._replace(held=held), metrics
-    return self._on_mesh(self._held_program, params, state, held, rng)
-
-  def _window_size(self, opt_state: Any) -> int:
-    """The window's ``k``: the constant, else read from the state (a device wait)."""
-    config = self._optimizer.config
-    if config.constant_k is not None:
-      return config.constant_k
-    return int(config.k_at(int(jax.device_get(opt_state.gradient_step))))
-
-  def lower(
-    self, params: Any, opt_state: Any, batch: Any, rng: Any = None
-  ) -> jax.stages.Lowered:
+  def lower(self, params: Any, opt_state: Any, batch: Any, rng: Any = None) -> Lowered:
     """The window's program (both passes), lowered: for XLA's figures."""
     return self._program.lower(params, opt_state, batch, rng)
 
 
-def _mesh_of(batch: Any, axes: tuple[str, ...]) -> Any:
-  """The mesh ``batch`` is split over ``axes`` on, if any."""
-  for leaf in jax.tree.leaves(batch):
-    sharding = getattr(leaf, "sharding", None)
-    if isinstance(sharding, NamedSharding) and set(axes) <= set(
-      sharding.mesh.axis_names
-    ):
-      return sharding.mesh
-  return None
-
-
-def _no_mesh(axes: tuple[str, ...]) -> ValueError:
-  return ValueError(
-    f"`axis_name` {axes!r} outside shard_map: a CoupledLoss step splits each "
-    "window's rows over it, so the batch must be a jax.Array on a mesh with "
-    f"those axes (jax.device_put(batch, NamedSharding(mesh, P(None, {axes!r}))) "
-    "in scan mode; in your own jit, under jax.set_mesh(mesh)). Or drop "
-    "axis_name: under plain jit the window is global."
-  )
-
-
-def _device_copy(tree: Any) -> Any:
-  """The caller's micro-batch, copied: a loader may refill its buffers. Host
-  arrays are copied on the host first (a program reads its host arguments
-  when it runs, after the call returns)."""
-  own = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else np.array(x), tree)
-  return _copied(own)
+_NO_MESH = (  # The error for ``axis_name`` with no mesh, formatted with ``axes``.
+  "`axis_name` {axes!r} outside shard_map: a CoupledLoss step splits each "
+  "window's rows over it, so the batch must be a jax.Array on a mesh with "
+  "those axes (jax.device_put(batch, NamedSharding(mesh, P(None, {axes!r}))) "
+  "in scan mode; in your own jit, under jax.set_mesh(mesh)). Or drop "
+  "axis_name: under plain jit the window is global."
+)
 
 
 @jax.jit
@@ -452,8 +348,7 @@ def _like(micro_batch: Any, held: tuple[Any, ...]) -> tuple[Any, ...]:
     return held
   first = jax.tree_util.tree_flatten_with_path(held[0])
   given = jax.tree_util.tree_flatten_with_path(micro_batch)
-  names = [_names(p) for p, _ in first[0]], [_names(p) for p, _ in given[0]]
-  if names[0] != names[1]:
+  if [_names(p) for p, _ in first[0]] != [_names(p) for p, _ in given[0]]:
     raise ValueError(
       f"micro-batch {len(held)} of this coupled window has the tree "
       f"{given[1]}, the window's first {first[1]}: a window stacks its "
