@@ -824,3 +824,11 @@ def test_a_window_of_tuples_restored_from_orbax_mid_window_resumes(tmp_path):
   restored = saver.restore(tmp_path / "ckpt", {"params": params, "opt_state": target})
   got = step(restored["params"], restored["opt_state"], micro[1])[0]
   jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+@pytest.mark.parametrize("loss_fn", [CLIP, lambda p, b: (0.0, 1.0)])
+def test_an_unknown_mode_is_refused_for_every_loss(loss_fn):
+  with pytest.raises(
+    ValueError, match=r"`mode` must be 'stream' or 'scan', got 'window'"
+  ):
+    optax_accum.make_train_step(loss_fn, optax.sgd(1.0), mode="window")

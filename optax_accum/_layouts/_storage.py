@@ -265,7 +265,7 @@ def _target(saved: Any, given: Any) -> Any:
     return jax.tree.map(zeros, shapes)
   if isinstance(given, StoredNode) and _paths(saved) == _paths(given):
     return jax.tree.map(zeros, given)
-  if _fields_of(saved, PerReplica, {"sums"}, {"axes"}):
+  if _fields_of(saved, PerReplica, {"sums"}, frozenset({"axes"})):
     n = int(np.shape(leaves(field(saved, "sums"))[0])[0])
     stacked = jax.tree.map(lambda s: np.zeros((n, *s.shape), s.dtype), shapes)
     axes = given.axes if isinstance(given, PerReplica) else field(saved, "axes", ())

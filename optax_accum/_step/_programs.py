@@ -494,7 +494,7 @@ class Bodies:
     empty = acc is None
     if empty:
       window = _transitions.empty_window(self.config, params)
-      acc = _window.joined(window, self.config.terms).acc_grads
+      acc = _window.as_state_fields(window, self.config.terms).acc_grads
     own = axes and (empty or not partial)
     start = jax.tree.map(lambda x: loop.own(jnp.zeros_like(x)), acc) if own else acc
 
@@ -569,5 +569,6 @@ def programs(layout: Layout, bodies: Bodies, *, scan: bool, donate: bool) -> Pai
   update = program(bodies.scan if scan else bodies.update, UPDATE_DONATES, window=scan)
   plain = policy is None and layout.sharded(False) is None
   if not scan and _backend.two_programs(bodies.config, plain):
-    update = TwoPrograms(accumulate, program(bodies.ending, UPDATE_DONATES), update)
+    ending = program(bodies.ending, UPDATE_DONATES)
+    return Pair(accumulate, TwoPrograms(accumulate, ending, update))
   return Pair(accumulate, update)

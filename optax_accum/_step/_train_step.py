@@ -458,14 +458,11 @@ def make_train_step(
     >>> float(params), int(metrics["update_count"])
     (2.3333..., 1)
   """
+  _checks.one_of(mode, ("stream", "scan"), name="mode")
+  acc = _with_axis_name(_accumulator(optimizer, mode, every_k_schedule), axis_name)
   if isinstance(loss_fn, CoupledLoss):
     check_coupled(has_aux)
-    acc = _with_axis_name(_accumulator(optimizer, mode, every_k_schedule), axis_name)
     build = lambda f, opt: TrainStep(f, opt, "scan", False, donate)  # noqa: E731
     return CoupledStep(loss_fn, acc, build, mode, donate)
-  optimizer = _with_axis_name(
-    _accumulator(optimizer, mode, every_k_schedule), axis_name
-  )
-  _checks.one_of(mode, ("stream", "scan"), name="mode")
   _checks.callable_arg(loss_fn, name="loss_fn")
-  return TrainStep(loss_fn, optimizer, mode, bool(has_aux), bool(donate))
+  return TrainStep(loss_fn, acc, mode, bool(has_aux), bool(donate))
