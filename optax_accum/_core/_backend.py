@@ -48,22 +48,17 @@ class Backend(NamedTuple):
 #: ``jax_disable_most_optimizations`` for one program: XLA:CPU skips LLVM's
 #: passes, compiling the same HLO in about half the time into slower code (a
 #: 12-block LM's gradient: 9.6 against 17.6 CPU-s, 130 against 37 ms a call).
-_WITHOUT_LLVM_PASSES = {
+_NO_LLVM_PASSES = {
   "xla_backend_optimization_level": 0,
   "xla_llvm_disable_expensive_passes": True,
 }
-#: By platform name (``jax.Device.platform``); others get ``_DEFAULT`` until
+#: By platform name (``jax.Device.platform``); others get the defaults until
 #: measured there. XLA:CPU runs two programs (a dispatch weighs as much as the
 #: work) and sums the norm by groups (a kernel per reduction to compile):
 #: docs/benchmarks.md.
 _BACKENDS = {
-  "cpu": Backend(
-    two_programs=True,
-    groups_norm=True,
-    quick_compile=_WITHOUT_LLVM_PASSES,
-  )
+  "cpu": Backend(two_programs=True, groups_norm=True, quick_compile=_NO_LLVM_PASSES)
 }
-_DEFAULT = Backend()
 
 
 def two_programs(config: Any, plain: bool) -> bool:
@@ -71,14 +66,13 @@ def two_programs(config: Any, plain: bool) -> bool:
   alone): where the backend says so, for ``plain`` programs (no ``shard_map``,
   the step's own reduction) and where every micro-batch counts (no
   ``should_skip_update_fn`` of ``config``, a ``MultiStepsConfig``)."""
-  if not plain or config.should_skip_update_fn is not None:
-    return False
-  return of(jax.default_backend()).two_programs
+  backend = of(jax.default_backend())
+  return plain and config.counts_every_micro_batch and backend.two_programs
 
 
 def of(platform: str) -> Backend:
   """The choices for ``platform`` (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``)."""
-  return _BACKENDS.get(platform, _DEFAULT)
+  return _BACKENDS.get(platform, Backend())
 
 
 @contextlib.contextmanager
@@ -97,9 +91,8 @@ def overridden(platform: str, **choices: Any) -> Iterator[None]:
   try:
     yield
   finally:
-    if before is None:
-      del _BACKENDS[platform]
-    else:
+    _BACKENDS.pop(platform, None)
+    if before is not None:
       _BACKENDS[platform] = before
 
 
@@ -156,10 +149,8 @@ def norm_groups(like: Any) -> tuple[tuple[int, ...], ...]:
     >>> norm_groups(jax.device_put(like, jax.devices("cpu")[0]))
     ((0, 2),)
   """
-  backend = of(platform_of(like))
-  if not backend.groups_norm or _placement.devices(like) > 1:
-    return ()
-  if not jax.sharding.get_abstract_mesh().empty:
+  backend, mesh = of(platform_of(like)), jax.sharding.get_abstract_mesh()
+  if not backend.groups_norm or _placement.devices(like) > 1 or not mesh.empty:
     return ()
   leaves = jax.tree.leaves(like)
   shapes = [tuple(np.shape(x)) for x in leaves]
@@ -180,7 +171,8 @@ def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
   (scratch within a few KB of a loop run once or never, no params-sized copy;
   not measured on a TPU) and compiles it no slower than the loop. XLA:GPU
   would copy a data-dependent predicate to the host and wait on every
-  execution, so there :func:`select_if`.
+  execution, so there ``fn`` always runs, and a select fused into its kernels
+  keeps ``init`` where ``pred`` is false.
 
   Examples:
     >>> float(once_if(jnp.array(True), lambda x: x + 1, jnp.array(1.0)))
@@ -193,32 +185,16 @@ def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
   fn = jax.jit(fn)  # Traced once: for its types, then for each backend's form.
   init = jax.tree.map(typed, init, jax.eval_shape(fn, init))
 
-  def conded(p: jax.Array, i: Any) -> Any:
+  def cond(p: jax.Array, i: Any) -> Any:
     return jax.lax.cond(p, fn, lambda x: x, i)
 
-  def selected(p: jax.Array, i: Any) -> Any:
-    return select_if(p, fn, i)
+  def select(p: jax.Array, i: Any) -> Any:
+    # lax, not jnp.where: a jnp call per leaf costs a 176-leaf model's first
+    # window 0.2 CPU-s. A scalar ``p`` takes any sharding.
+    return jax.tree.map(lambda new, old: jax.lax.select(p, new, old), fn(i), i)
 
   # One callable for CPU and TPU: platform_dependent traces each distinct one.
-  return jax.lax.platform_dependent(
-    pred, init, cpu=conded, tpu=conded, default=selected
-  )
-
-
-def select_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
-  """``fn(init)`` where ``pred``, else ``init`` (:func:`once_if`'s order):
-  ``fn`` always runs, and a select fused into its kernels keeps ``init``
-  where ``pred`` is false. ``fn`` returns arrays typed like ``init``.
-
-  Examples:
-    >>> float(select_if(jnp.array(False), lambda x: x + 1, init=jnp.array(1.0)))
-    1.0
-  """
-
-  # lax, not jnp.where: once_if traces every platform's branch, and a jnp
-  # call per leaf costs a 176-leaf model's first window 0.2 CPU-s. A scalar
-  # ``pred`` takes any sharding.
-  return jax.tree.map(lambda new, old: jax.lax.select(pred, new, old), fn(init), init)
+  return jax.lax.platform_dependent(pred, init, cpu=cond, tpu=cond, default=select)
 
 
 def nan_marker(g: jax.Array) -> jax.Array:

@@ -17,12 +17,10 @@ def check_tree_matches(tree: Any, reference: Any, *, name: str, ref_name: str) -
   if treedef != ref_treedef:  # type: ignore[operator]  # jaxlib stub gap
     paths = [jax.tree_util.keystr(p) for p, _ in leaves]
     ref_paths = [jax.tree_util.keystr(p) for p, _ in ref_leaves]
-    for path in ref_paths:
-      if path not in paths:
-        raise ValueError(f"`{name}` is missing leaf {path} present in {ref_name}.")
-    for path in paths:
-      if path not in ref_paths:
-        raise ValueError(f"`{name}` has leaf {path} that {ref_name} does not have.")
+    if missing := [p for p in ref_paths if p not in paths]:
+      raise ValueError(f"`{name}` is missing leaf {missing[0]} present in {ref_name}.")
+    if extra := [p for p in paths if p not in ref_paths]:
+      raise ValueError(f"`{name}` has leaf {extra[0]} that {ref_name} does not have.")
     raise ValueError(  # Same leaf paths, other node types (tuple vs list).
       f"`{name}` has the leaves of {ref_name} but another tree structure: "
       f"{treedef} vs {ref_treedef}."
@@ -48,16 +46,9 @@ def scalar(value: ArrayLike, *, name: str, dtype: Any) -> jax.Array:
 def check_scalar(value: ArrayLike, *, name: str, dtype: Any) -> None:
   """Raises the ``ValueError`` of :func:`scalar`, or nothing; stages no op."""
   src = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
-  want_bool = jnp.issubdtype(dtype, jnp.bool_)
-  ok = (
-    jnp.issubdtype(src, jnp.bool_)
-    if want_bool
-    else (
-      jnp.issubdtype(src, jnp.number) and not jnp.issubdtype(src, jnp.complexfloating)
-    )
-  )
-  if not ok:
-    kind = "a boolean" if want_bool else "a real number"
+  want = jnp.bool_ if jnp.issubdtype(dtype, jnp.bool_) else jnp.number
+  if not jnp.issubdtype(src, want) or jnp.issubdtype(src, jnp.complexfloating):
+    kind = "a boolean" if want is jnp.bool_ else "a real number"
     raise ValueError(f"`{name}` must be {kind}, got dtype {src}.")
   if np.shape(value) != ():
     raise ValueError(f"`{name}` must be a scalar, got shape {np.shape(value)}.")
@@ -74,11 +65,8 @@ def whole_number(value: Any, *, name: str, minimum: int = 1) -> int:
       ...
     ValueError: `k` must be an int >= 1, got True.
   """
-  if (
-    isinstance(value, bool | np.bool_)
-    or not isinstance(value, int | np.integer)
-    or value < minimum
-  ):
+  whole = isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+  if not whole or value < minimum:
     raise ValueError(f"`{name}` must be an int >= {minimum}, got {value!r}.")
   return int(value)
 
@@ -86,10 +74,8 @@ def whole_number(value: Any, *, name: str, minimum: int = 1) -> int:
 def one_of(value: Any, choices: tuple[str, ...], *, name: str) -> Any:
   """``value`` if it is one of ``choices``, else a ``ValueError`` listing them."""
   if value not in choices:
-    quoted = [repr(c) for c in choices]
-    listed = (
-      ", ".join(quoted[:-1]) + f" or {quoted[-1]}" if len(quoted) > 1 else quoted[0]
-    )
+    *rest, last = map(repr, choices)
+    listed = f"{', '.join(rest)} or {last}" if rest else last
     raise ValueError(f"`{name}` must be {listed}, got {value!r}.")
   return value
 
@@ -127,14 +113,12 @@ def check_trainable_leaves(tree: Any, *, name: str) -> None:
       continue
     if keys:
       raise ValueError(
-        f"`{name}` leaf {jax.tree_util.keystr(path)} has dtype {dtype}: "
-        f"`{name}` holds RNG state (a PRNG key at "
-        f"{jax.tree_util.keystr(keys[0])}), such as a Flax NNX model's "
-        "nnx.Dropout or nnx.Rngs key and counter, which cannot be trained. "
-        "Pass only the params, `graphdef, params, rest = nnx.split(model, "
-        "nnx.Param, ...)`, and merge `rest` back inside `loss_fn`, reseeded "
-        'with the key the step gives it: see "Flax NNX with dropout" in '
-        "docs/recipes.md."
+        f"`{name}` leaf {jax.tree_util.keystr(path)} has dtype {dtype}: `{name}` holds "
+        f"RNG state (a PRNG key at {jax.tree_util.keystr(keys[0])}), such as a Flax "
+        "NNX model's nnx.Dropout or nnx.Rngs key and counter, which cannot be trained. "
+        "Pass only the params, `graphdef, params, rest = nnx.split(model, nnx.Param, "
+        "...)`, and merge `rest` back inside `loss_fn`, reseeded with the key the step "
+        'gives it: see "Flax NNX with dropout" in docs/recipes.md.'
       )
     raise ValueError(
       f"`{name}` leaf {jax.tree_util.keystr(path)} has dtype {dtype}; only "
@@ -180,8 +164,7 @@ def batch_leaves(batch: Any) -> list[tuple[Any, Any]]:
     raise ValueError("`batch` has no arrays.")
   first_path, first = leaves[0]
   for path, leaf in leaves:
-    shape = np.shape(leaf)
-    if not shape:
+    if not (shape := np.shape(leaf)):
       raise ValueError(
         f"`batch` leaf {jax.tree_util.keystr(path)} has shape (): every leaf "
         "needs a leading batch axis."

@@ -16,32 +16,38 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike, DTypeLike
 
-from optax_accum._core import _checks, _ending, _noise, _placement, _reduction, _window
-from optax_accum._core._reduction import AxisName
+from optax_accum._core import (
+  _checks,
+  _ending,
+  _noise,
+  _placement,
+  _reduction,
+  _state,
+  _transitions,
+  _window,
+)
 from optax_accum._core._state import (
   WINDOW_MICRO_STEPS,
   WINDOW_WEIGHT,
   EveryKSchedule,
-  GradReduction,
   MultiStepsConfig,
   MultiStepsState,
-  NonFinitePolicy,
-  ShouldSkipUpdateFn,
-  check_not_holding,
-  check_one_sum,
-  check_single_accumulation,
-)
-from optax_accum._core._transitions import (
-  add_micro_batch,
-  by_term,
-  check_extra_args,
-  empty_window,
-  window_ends,
-  window_of,
 )
 
 #: How the warning for an update without ``weight=`` starts (to filter it).
 NO_WEIGHT = "MultiSteps.update got no `weight=`"
+#: The warning itself (a UserWarning).
+_UNWEIGHTED = (
+  f"{NO_WEIGHT}: every micro-batch weighs 1, so a window's gradient is the uniform "
+  "mean of micro-batch gradients (optax.MultiSteps' behaviour), the whole batch's "
+  "only when every micro-batch's loss divides by the same count. Pass weight=<the "
+  "count your loss divides by>: valid tokens for a token mean, rows for a mean of "
+  "per-row means, rows x length for a mean over all positions; for a loss divided by "
+  "a constant or not at all, build MultiSteps(..., grad_reduction='window_mean'). "
+  "weight=1 asks for the uniform mean without this warning (docs/multi_steps.md, "
+  "'The weight'). Flax's own TrainState.apply_gradients cannot pass a weight: "
+  "use optax_accum.flax.TrainState."
+)
 
 __all__ = [
   "WINDOW_MICRO_STEPS",
@@ -53,44 +59,15 @@ __all__ = [
 ]
 
 
-def _check_optimizer(opt: Any) -> None:
-  if not (hasattr(opt, "init") and hasattr(opt, "update")):
-    raise ValueError(
-      f"`opt` must be an optax.GradientTransformation, got {type(opt).__name__}."
-    )
-
-
-def _warn_unweighted() -> None:
-  warnings.warn(
-    f"{NO_WEIGHT}: every micro-batch weighs 1, so a window's gradient is the "
-    "uniform mean of micro-batch gradients (optax.MultiSteps' behaviour), the "
-    "whole batch's only when every micro-batch's loss divides by the same "
-    "count. Pass weight=<the count your loss divides by>: valid tokens for a "
-    "token mean, rows for a mean of per-row means, rows x length for a mean "
-    "over all positions; for a loss divided by a constant or not at all, "
-    "build MultiSteps(..., grad_reduction='window_mean'). weight=1 asks for "
-    "the uniform mean without this warning (docs/multi_steps.md, 'The "
-    "weight'). Flax's own TrainState.apply_gradients cannot pass a weight: "
-    "use optax_accum.flax.TrainState.",
-    UserWarning,
-    stacklevel=4,
-  )
-
-
 class _OwnTransformation(optax.GradientTransformationExtraArgs):
   """An ``optax.GradientTransformationExtraArgs`` whose ``init`` and ``update``
   are its own methods, so ``optax.chain`` unpacks and calls them with the
   extra arguments; a pytree without leaves, as a transformation is."""
 
   def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-    del args, kwargs
-    me: list[Any] = []
-    self = super().__new__(
-      cls,
-      init=lambda params: me[0].init(params),
-      update=lambda *args, **kwargs: me[0].update(*args, **kwargs),
+    self: Any = super().__new__(  # (init, update): the instance's methods
+      cls, lambda params: self.init(params), lambda *a, **kw: self.update(*a, **kw)
     )
-    me.append(self)
     return self
 
   def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -204,35 +181,27 @@ class MultiSteps(_OwnTransformation):
     opt: optax.GradientTransformation,
     every_k_schedule: EveryKSchedule,
     use_grad_mean: bool = True,
-    should_skip_update_fn: ShouldSkipUpdateFn | None = None,
+    should_skip_update_fn: _state.ShouldSkipUpdateFn | None = None,
     accumulator_dtype: DTypeLike | None = None,
     *,
-    grad_reduction: GradReduction = "mean",
-    axis_name: AxisName | None = None,
-    on_nonfinite: NonFinitePolicy = "skip_window",
+    grad_reduction: _state.GradReduction = "mean",
+    axis_name: _reduction.AxisName | None = None,
+    on_nonfinite: _state.NonFinitePolicy = "skip_window",
     terms: tuple[str, ...] | None = None,
     noise_scale: bool = False,
   ):
-    _check_optimizer(opt)
+    if not (hasattr(opt, "init") and hasattr(opt, "update")):
+      raise ValueError(
+        f"`opt` must be an optax.GradientTransformation, got {type(opt).__name__}."
+      )
+    args = (every_k_schedule, use_grad_mean, should_skip_update_fn, accumulator_dtype)
     self.config = MultiStepsConfig(
-      every_k_schedule,
-      use_grad_mean,
-      should_skip_update_fn,
-      accumulator_dtype,
-      grad_reduction,
-      axis_name,
-      on_nonfinite,
-      terms,
-      noise_scale,
+      *args, grad_reduction, axis_name, on_nonfinite, terms, noise_scale
     )
     self._given_opt, self._opt = opt, optax.with_extra_args_support(opt)
-    self._warned = False
-
-  def _warn_unweighted(self) -> None:
-    """Says once per instance, when traced, that no weight means optax's mean."""
-    if not (self._warned or self.config.grad_reduction == "window_mean"):
-      self._warned = True
-      _warn_unweighted()
+    # Says once, when traced, that no weight means optax's mean (a window_mean
+    # sum needs no weight).
+    self._warns = self.config.grad_reduction != "window_mean"
 
   def replace(self, **changes: Any) -> MultiSteps:
     """A copy with some constructor arguments changed (``opt=`` included).
@@ -256,17 +225,17 @@ class MultiSteps(_OwnTransformation):
     return self.config.k_at(update_count)
 
   @property
-  def axis_name(self) -> AxisName | None:
+  def axis_name(self) -> _reduction.AxisName | None:
     """The mesh axis (or axes) weights and gradients are summed over, if any."""
     return self.config.axis_name
 
   @property
-  def grad_reduction(self) -> GradReduction:
+  def grad_reduction(self) -> _state.GradReduction:
     """How the caller reduces each micro-batch's loss over its items."""
     return self.config.grad_reduction
 
   @property
-  def on_nonfinite(self) -> NonFinitePolicy:
+  def on_nonfinite(self) -> _state.NonFinitePolicy:
     """What a non-finite gradient drops: its micro-batch or its whole window."""
     return self.config.on_nonfinite
 
@@ -290,7 +259,7 @@ class MultiSteps(_OwnTransformation):
       (0.0, 2.5)
     """
     shares = self.config.grad_reduction == "window_mean"
-    return _window.mean_loss(window_of(self.config, state), shares=shares)
+    return _window.mean_loss(_transitions.window_of(self.config, state), shares=shares)
 
   def init(self, params: optax.Params) -> MultiStepsState:
     """Returns the state for a fresh run: an empty window and no updates.
@@ -299,18 +268,15 @@ class MultiSteps(_OwnTransformation):
     device)``), so is the state, as a jitted step returns it: a step in your
     ``jit`` then compiles once, not again on its second call."""
     _checks.check_trainable_leaves(params, name="params")
-    config = self.config
-    window = empty_window(config, params)
-    gradient_step = jnp.zeros([], jnp.int32)
-    skip_state: Any = ()
-    if self.config.should_skip_update_fn is not None:
+    window = _transitions.empty_window(self.config, params)
+    gradient_step, skip_state = jnp.zeros([], jnp.int32), ()
+    if (skip_fn := self.config.should_skip_update_fn) is not None:
       zeros = jax.tree.map(jnp.zeros_like, params)
-      _, skip_state = self.config.should_skip_update_fn(zeros, gradient_step, params)
-    inner_opt_state = self._opt.init(params)
-    check_single_accumulation(inner_opt_state)
+      _, skip_state = skip_fn(zeros, gradient_step, params)
+    _state.check_single_accumulation(inner_opt_state := self._opt.init(params))
     count, weight = jnp.int32, _window.weight(window).dtype  # A buffer per field:
-    fields = _window.joined(window, config.terms)._asdict()
-    if config.noise_scale:
+    fields = _window.as_state_fields(window, self.config.terms)._asdict()
+    if self.config.noise_scale:
       fields["noise_scale"] = _noise.empty(weight)
     state = MultiStepsState(  # a state is donated leaf by leaf.
       **fields,
@@ -362,39 +328,27 @@ class MultiSteps(_OwnTransformation):
       The inner optimizer's updates on the call that ends a window with
       positive weight, exact zeros on every other call; and the new state.
     """
-    check_extra_args(extra_args, loss)
-    check_not_holding(state, "MultiSteps.update")
-    if weight is None:
-      self._warn_unweighted()
+    _transitions.check_extra_args(extra_args, loss)
+    _state.check_not_holding(state, "MultiSteps.update")
+    if weight is None and self._warns:
+      self._warns = False
+      warnings.warn(_UNWEIGHTED, stacklevel=2)  # Where update was called.
     _reduction.check_replicas(self.config.axis_name, weight)
-    check_one_sum(state.acc_grads, "MultiSteps.update")
+    _state.check_one_sum(state.acc_grads, "MultiSteps.update")
     reduction = _reduction.policy(self.config.axis_name)
-    added, counted = add_micro_batch(
-      self.config,
-      state,
-      updates,
-      params,
-      weight=weight,
-      loss=loss,
-      reduction=reduction,
+    added, counted = _transitions.add_micro_batch(
+      self.config, state, updates, params, weight=weight, loss=loss, reduction=reduction
     )
-    ends = window_ends(self.config, added, counted, end_window)
-    window_loss = self.window_loss(added)
+    ends = _transitions.window_ends(self.config, added, counted, end_window)
+    sums, window_loss = added.acc_grads, self.window_loss(added)
     if loss is not None:
       extra_args = {**extra_args, "value": window_loss}
-    terms = self.config.terms
-    like = updates if terms is None else by_term(terms, updates, "updates")[0]
+    like = updates
+    if (terms := self.config.terms) is not None:
+      like = _transitions.by_term(terms, updates, "updates")[0]
+    given = dict(params=params, like=like, reduction=reduction, extra_args=extra_args)
     done = _ending.end(
-      self.config,
-      self._opt,
-      added,
-      ends,
-      sums=added.acc_grads,
-      params=params,
-      like=like,
-      reduction=reduction,
-      loss=window_loss,
-      extra_args=extra_args,
+      self.config, self._opt, added, ends, sums=sums, loss=window_loss, **given
     )
     return done.target, done.state
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._core import _checks
@@ -38,22 +37,16 @@ def unreduced_axes(x: Any) -> frozenset[str]:
   return frozenset(getattr(spec, "unreduced", ()))
 
 
-def check_replicas(
-  axis_name: AxisName | None, weight: Any, where: str = "MultiSteps.update"
-) -> None:
-  """Refuses a ``weight`` that may vary per replica under manual axes that no
-  ``axis_name`` names (under ``pmap``: any ``weight``); ``axis_name=()`` opts out."""
+def check_replicas(axis_name: AxisName | None, weight: Any) -> None:
+  """Refuses ``MultiSteps.update``'s ``weight`` that may vary per replica under
+  manual axes that no ``axis_name`` names (under ``pmap``: any ``weight``);
+  ``axis_name=()`` opts out."""
   if axis_name is not None or weight is None:
     return
   manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
-  if not manual:
-    return
-  typed = bool(varying_axes(jax.lax.axis_index(manual)))
-  weights = jax.tree.leaves(weight)
-  varying = frozenset().union(*map(varying_axes, weights)) if typed else set(manual)
-  if not varying:
-    return
-  raise _unnamed(manual, where, "with a `weight` that can differ per replica, ")
+  if manual and (not varying_axes(jax.lax.axis_index(manual)) or _own_axes(weight)):
+    weight_differs = "with a `weight` that can differ per replica, "
+    raise _unnamed(manual, "MultiSteps.update", weight_differs)
 
 
 def check_named_axes(axis_name: AxisName | None, reduced: Any, where: str) -> None:
@@ -61,10 +54,8 @@ def check_named_axes(axis_name: AxisName | None, reduced: Any, where: str) -> No
   ``axis_name`` nor the step's own reduction names, whatever the weight: the
   gradients of replicated params come back summed over them, or each replica
   keeps its own window. ``axis_name=()`` opts out."""
-  if axis_name is not None or reduced:
-    return
   manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
-  if manual:
+  if manual and axis_name is None and not reduced:
     raise _unnamed(manual, where, "")
 
 
@@ -72,19 +63,17 @@ def _unnamed(manual: tuple[str, ...], where: str, weight: str) -> ValueError:
   named = manual[0] if len(manual) == 1 else manual
   return ValueError(
     f"{where} runs under the manual mesh axes {manual} (pmap or shard_map) "
-    f"{weight}without `axis_name`: each replica would divide by its own window "
-    "weight and the replicated params would drift apart. Pass "
-    f"axis_name={named!r} (to MultiSteps or make_train_step) and drop your own "
-    "pmean/psum of the gradients (the accumulator sums the weighted gradients "
-    "over the axis once), or axis_name=() if the replicas are independent on "
-    "purpose."
+    f"{weight}without `axis_name`: each replica would divide by its own window weight "
+    f"and the replicated params would drift apart. Pass axis_name={named!r} (to "
+    "MultiSteps or make_train_step) and drop your own pmean/psum of the gradients (the "
+    "accumulator sums the weighted gradients over the axis once), or axis_name=() if "
+    "the replicas are independent on purpose."
   )
 
 
 def _any_over(flag: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-  if not axes:
-    return jnp.asarray(flag)
-  return jax.lax.psum(jnp.asarray(flag).astype(jnp.int32), axes) > 0
+  flag = jnp.asarray(flag)
+  return jax.lax.psum(flag.astype(jnp.int32), axes) > 0 if axes else flag
 
 
 def _own_axes(window: Any) -> frozenset[str]:
@@ -93,8 +82,9 @@ def _own_axes(window: Any) -> frozenset[str]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Local:
-  """No data-parallel axes: weights, losses and gradients are already global."""
+class Reduction:
+  """The base of every reduction policy: its defaults are the behaviour without
+  data-parallel axes (:class:`Local`)."""
 
   axes: tuple[str, ...] = ()
   at_window_end: bool = False
@@ -119,7 +109,6 @@ class Local:
 
   def summed_already(self, x: Any) -> tuple[str, ...]:
     """The replica axes over which JAX already summed ``x``: none here."""
-    del x
     return ()
 
   def gradient(self, x: jax.Array) -> jax.Array:
@@ -138,13 +127,17 @@ class Local:
     """``params`` typed so that their gradients come out as this policy adds them."""
     return params
 
-  def per_window(self) -> Local:
+  def per_window(self) -> Reduction:
     """This policy, keeping partial sums until the window ends (a scan's)."""
     return self
 
 
+class Local(Reduction):
+  """No data-parallel axes: weights, losses and gradients are already global."""
+
+
 @dataclasses.dataclass(frozen=True)
-class Replicas(Local):
+class Replicas(Reduction):
   """Per-replica values summed over mesh axes ``axes``; with ``at_window_end``
   gradients stay per-replica partial sums until :meth:`window_gradient`."""
 
@@ -168,13 +161,13 @@ class Replicas(Local):
 
   def sum(self, x: Any) -> jax.Array:
     """``x`` summed over the replicas, counting once what JAX summed already."""
-    return jax.lax.psum(self.own(self._once(x)), self.axes)
+    return jax.lax.psum(self._own_once(x), self.axes)
 
-  def _once(self, x: Any) -> jax.Array:
-    summed = self.summed_already(x)
-    if not summed:
-      return jnp.asarray(x)
-    return jnp.where(replica_index(summed) == 0, x, jnp.zeros_like(x))
+  def _own_once(self, x: Any) -> jax.Array:
+    """This replica's share of ``x``: what JAX summed already on the first only."""
+    if summed := self.summed_already(x):
+      x = jnp.where(replica_index(summed) == 0, x, jnp.zeros_like(x))
+    return self.own(jnp.asarray(x))
 
   def own(self, x: Any) -> jax.Array:
     # A value the same on every replica (a constant weight) is still each
@@ -185,21 +178,17 @@ class Replicas(Local):
     return _any_over(super().any(flag, window), self.axes)
 
   def summed_already(self, x: Any) -> tuple[str, ...]:
-    if not self.typed:
-      return ()
-    return tuple(a for a in self.axes if a not in varying_axes(x))
+    return tuple(a for a in self.axes if a not in varying_axes(x)) if self.typed else ()
 
   def gradient(self, x: jax.Array) -> jax.Array:
-    if self.at_window_end:  # This replica's share of the window's sum.
-      return self.own(self._once(x))
-    return self.sum(x)
+    return self._own_once(x) if self.at_window_end else self.sum(x)
 
   def window_gradient(self, acc: Any) -> Any:
     if not self.at_window_end:
       return acc
     return jax.tree.map(lambda a: jax.lax.psum(a, self.axes), acc)
 
-  def per_window(self) -> Local:
+  def per_window(self) -> Reduction:
     return Replicas(self.axes, at_window_end=True)
 
   def cast_params(self, params: Any) -> Any:
@@ -208,16 +197,14 @@ class Replicas(Local):
     if not self.typed:
       return params
     for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
-      sharded = set(varying_axes(p)) & set(self.axes)
-      if sharded:
+      if sharded := set(varying_axes(p)) & set(self.axes):
         raise ValueError(
           f"params{jax.tree_util.keystr(path)} differs per replica over mesh axis "
           f"{sorted(sharded)[0]!r}, the data axis `axis_name` sums over: params "
-          "sharded over the data axis (FSDP, ZeRO) would have their gradients "
-          "summed twice. Pass params replicated over it (in_specs P() or P over "
-          "a model axis only), or shard them over the data axis under plain jit "
-          "without axis_name, where XLA reduce-scatters each micro-batch's "
-          "gradient."
+          "sharded over the data axis (FSDP, ZeRO) would have their gradients summed "
+          "twice. Pass params replicated over it (in_specs P() or P over a model axis "
+          "only), or shard them over the data axis under plain jit without axis_name, "
+          "where XLA reduce-scatters each micro-batch's gradient."
         )
     return jax.tree.map(self.own, params)
 
@@ -237,7 +224,7 @@ class Replicas(Local):
 
 
 @dataclasses.dataclass(frozen=True)
-class Deferred(Local):
+class Deferred(Reduction):
   """Plain ``jit`` on an ``Explicit`` mesh, the batch split over data axes ``over``.
   Gradients of the params ``leaves`` marks stay ``unreduced`` partial sums until
   :meth:`window_gradient`; the others' join them on the first replica."""
@@ -255,12 +242,14 @@ class Deferred(Local):
         f"{len(self.leaves)}."
       )
     pairs = zip(flat, self.leaves, strict=True)
-    cast = [self._reduced(p) if deferred else p for p, deferred in pairs]
+    cast = [self._resharded(p, reduced=set(self.over)) if d else p for p, d in pairs]
     return jax.tree.unflatten(treedef, cast)
 
-  def _reduced(self, p: jax.Array) -> jax.Array:
-    parts = getattr(jax.typeof(p).sharding, "spec", P()).partitions
-    return jax.reshard(p, NamedSharding(self.mesh, P(*parts, reduced=set(self.over))))
+  def _resharded(self, x: jax.Array, **extra: Any) -> jax.Array:
+    """``x`` resharded to its own partitions on the mesh, with ``extra``
+    (``reduced=``) and nothing ``unreduced``."""
+    parts = getattr(jax.typeof(x).sharding, "spec", P()).partitions
+    return jax.reshard(x, jax.sharding.NamedSharding(self.mesh, P(*parts, **extra)))
 
   def gradient(self, x: jax.Array) -> jax.Array:
     """``x`` as partial sums: as it is if ``unreduced``, else on the first
@@ -268,28 +257,18 @@ class Deferred(Local):
     if unreduced_axes(x):
       return x
     parts = jax.typeof(x).sharding.spec.partitions
+    out = P(*parts, unreduced=set(self.over))
 
     def first(v: jax.Array) -> jax.Array:
       return jnp.where(replica_index(self.over) == 0, v, jnp.zeros_like(v))
 
     return jax.shard_map(
-      first,
-      mesh=self.mesh,
-      in_specs=P(*parts),
-      out_specs=P(*parts, unreduced=set(self.over)),
-      check_vma=False,
+      first, mesh=self.mesh, in_specs=P(*parts), out_specs=out, check_vma=False
     )(x)
 
   def window_gradient(self, acc: Any) -> Any:
     """Each partial sum reduced: the window's one gradient reduction."""
-
-    def reduced(a: jax.Array) -> jax.Array:
-      if not unreduced_axes(a):
-        return a
-      parts = jax.typeof(a).sharding.spec.partitions
-      return jax.reshard(a, NamedSharding(self.mesh, P(*parts)))
-
-    return jax.tree.map(reduced, acc)
+    return jax.tree.map(lambda a: self._resharded(a) if unreduced_axes(a) else a, acc)
 
 
 def replica_index(axis_name: AxisName) -> jax.Array:
@@ -300,8 +279,8 @@ def replica_index(axis_name: AxisName) -> jax.Array:
   return index
 
 
-def policy(axis_name: AxisName | None, at_window_end: bool = False) -> Local:
-  """The policy for ``axis_name``: :class:`Replicas` over it, or :class:`Local`.
+def policy(axis_name: AxisName | None, at_window_end: bool = False) -> Reduction:
+  """The reduction for ``axis_name``: :class:`Replicas` over it, or :class:`Local`.
 
   Examples:
     >>> policy(None)

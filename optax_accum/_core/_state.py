@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -139,15 +139,13 @@ def _children(state: MultiStepsState) -> tuple[tuple[Any, ...], tuple[str, ...]]
   return tuple(zip(keys, children, strict=True)), names
 
 
-def _from_children(names: tuple[str, ...], children: Any) -> MultiStepsState:
+def _unflat(names: tuple[str, ...], children: Any) -> MultiStepsState:
   children = tuple(children)
   optional = dict(zip(names, children[_REQUIRED:], strict=True))
   return MultiStepsState(*children[:_REQUIRED], **optional)
 
 
-jax.tree_util.register_pytree_with_keys(
-  MultiStepsState, _children, _from_children, _flat
-)
+jax.tree_util.register_pytree_with_keys(MultiStepsState, _children, _unflat, _flat)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,12 +182,8 @@ class MultiStepsConfig:
         )
       if k < 1:
         raise ValueError(f"`every_k_schedule` must be >= 1, got {k}.")
-    _checks.one_of(
-      self.grad_reduction, ("mean", "sum", "window_mean"), name="grad_reduction"
-    )
-    _checks.one_of(
-      self.on_nonfinite, ("skip_window", "skip_micro_batch"), name="on_nonfinite"
-    )
+    _checks.one_of(self.grad_reduction, get_args(GradReduction), name="grad_reduction")
+    _checks.one_of(self.on_nonfinite, get_args(NonFinitePolicy), name="on_nonfinite")
     if self.grad_reduction == "window_mean" and self.on_nonfinite != "skip_window":
       raise ValueError(
         "grad_reduction='window_mean' keeps the default on_nonfinite="
@@ -210,13 +204,12 @@ class MultiStepsConfig:
       )
     if not isinstance(self.use_grad_mean, bool | np.bool_):
       raise ValueError(f"`use_grad_mean` must be a bool, got {self.use_grad_mean!r}.")
-    dtype = self.accumulator_dtype
-    if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
-      raise ValueError(
-        f"`accumulator_dtype` must be a floating-point dtype, got {jnp.dtype(dtype)}."
-      )
-    if dtype is not None:  # Frozen: set once, here.
-      object.__setattr__(self, "accumulator_dtype", jnp.dtype(dtype))
+    if (dtype := self.accumulator_dtype) is not None:
+      if not jnp.issubdtype(dtype, jnp.inexact):
+        raise ValueError(
+          f"`accumulator_dtype` must be a floating-point dtype, got {jnp.dtype(dtype)}."
+        )
+      object.__setattr__(self, "accumulator_dtype", jnp.dtype(dtype))  # Frozen: once.
 
   def _checked_terms(self) -> tuple[str, ...]:
     terms = self.terms
@@ -229,8 +222,7 @@ class MultiStepsConfig:
       raise ValueError(
         "`terms` divides each term by its own weight: it needs the default "
         "grad_reduction='mean' and use_grad_mean=True, got "
-        f"grad_reduction={self.grad_reduction!r}, use_grad_mean="
-        f"{self.use_grad_mean!r}."
+        f"grad_reduction={self.grad_reduction!r}, use_grad_mean={self.use_grad_mean!r}."
       )
     return names
 
@@ -245,9 +237,7 @@ class MultiStepsConfig:
     """The window length when it is the same for every window, else ``None``.
     Under ``"end_window"`` it is the int32 maximum: no count ends a window."""
     k = self.every_k_schedule
-    if k == END_WINDOW:
-      return _NEVER
-    return None if callable(k) else int(k)
+    return _NEVER if k == END_WINDOW else None if callable(k) else int(k)
 
   @property
   def counts_every_micro_batch(self) -> bool:
@@ -275,10 +265,9 @@ def check_single_accumulation(inner_state: Any) -> None:
 
 def check_not_holding(state: Any, where: str) -> None:
   """``ValueError`` where ``state`` holds a streamed coupled window's micro-batches."""
-  held = getattr(state, "held", None)
-  if isinstance(state, MultiStepsState) and held is not None:
+  if isinstance(state, MultiStepsState) and state.held is not None:
     raise ValueError(
-      f"`opt_state` holds {len(held)} micro-batches of a streamed CoupledLoss "
+      f"`opt_state` holds {len(state.held)} micro-batches of a streamed CoupledLoss "
       f"window (its `held` field), which {where} cannot run: only a streaming "
       "step on that CoupledLoss ends the window. Pass the state back to it, "
       "or give this call a state from before or after that window."
