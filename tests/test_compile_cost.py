@@ -106,7 +106,7 @@ def test_the_norm_reduces_small_leaves_a_group_at_a_time(monkeypatch):
   assert 1 <= len(groups) < SMALL // 4 and sum(map(len, groups)) == SMALL
   grouped = _reductions(_update_in_jit(SMALL))
   norms = [_window_norm(params, loss_fn, batch)]
-  cpu = _backend.of("cpu")
+  cpu = _backend.for_platform("cpu")
   monkeypatch.setitem(_backend._BACKENDS, "cpu", cpu._replace(groups_norm=False))
   assert _backend.norm_groups(params) == ()
   per_leaf = _reductions(_update_in_jit(SMALL))
@@ -121,7 +121,7 @@ def test_a_norm_group_holds_at_most_the_backend_s_leaves():
   (at 176 leaves of 8 x 8, groups of 128 and 48 compile slower than groups of 16):
   leaves of one shape in consecutive groups of at most ``max_group_leaves``,
   within the element bound."""
-  cap = _backend.of("cpu").max_group_leaves
+  cap = _backend.for_platform("cpu").max_group_leaves
   like = [jnp.ones((8, 8))] * (2 * cap + 3) + [jnp.ones(8)] * 2
   groups = _backend.norm_groups(like)
   assert [len(g) for g in groups] == [cap, cap, 3, 2]

@@ -137,7 +137,7 @@ def test_streaming_compiles_at_most_two_programs():
   assert int(metrics["update_count"]) == 4  # Three full windows, one cut short.
   # Two programs: where a window ends in two (XLA:CPU), the accumulate
   # program adds its last micro-batch and the gradient is traced once.
-  two = _backend.of(jax.default_backend()).two_programs
+  two = _backend.for_platform(jax.default_backend()).two_programs
   assert len(traces) == (1 if two else 2)
 
 

@@ -74,7 +74,7 @@ def _as_audited(fn: Callable[..., AuditReport]) -> Any:
 
   @functools.wraps(fn)
   def audited(*args: Any, **kwargs: Any) -> AuditReport:
-    quick = _backend.of(jax.default_backend()).quick_compile
+    quick = _backend.for_platform(jax.default_backend()).quick_compile
     with warnings.catch_warnings(), _backend.compiled_with(quick):
       warnings.filterwarnings("ignore", message=NO_WEIGHT)
       return fn(*args, **kwargs)

@@ -5,9 +5,9 @@ flow (:func:`once_if`, called by the programs) and what a buffer or a dispatch
 costs the host (:class:`Backend`, from :func:`of` and :func:`platform_of`).
 
 Examples:
-  >>> of("cpu").groups_norm, of("cuda").groups_norm
+  >>> for_platform("cpu").groups_norm, for_platform("cuda").groups_norm
   (True, False)
-  >>> of("cpu").two_programs, of("tpu").two_programs
+  >>> for_platform("cpu").two_programs, for_platform("tpu").two_programs
   (True, False)
   >>> import jax.numpy as jnp
   >>> float(once_if(jnp.array(False), lambda x: x + 1, jnp.array(1.0)))
@@ -66,11 +66,11 @@ def two_programs(config: Any, plain: bool) -> bool:
   alone): where the backend says so, for ``plain`` programs (no ``shard_map``,
   the step's own reduction) and where every micro-batch counts (no
   ``should_skip_update_fn`` of ``config``, a ``MultiStepsConfig``)."""
-  backend = of(jax.default_backend())
+  backend = for_platform(jax.default_backend())
   return plain and config.counts_every_micro_batch and backend.two_programs
 
 
-def of(platform: str) -> Backend:
+def for_platform(platform: str) -> Backend:
   """The choices for ``platform`` (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``)."""
   return _BACKENDS.get(platform, Backend())
 
@@ -83,11 +83,11 @@ def overridden(platform: str, **choices: Any) -> Iterator[None]:
 
   Examples:
     >>> with overridden("cpu", groups_norm=False):
-    ...   of("cpu").groups_norm
+    ...   for_platform("cpu").groups_norm
     False
   """
   before = _BACKENDS.get(platform)
-  _BACKENDS[platform] = of(platform)._replace(**choices)
+  _BACKENDS[platform] = for_platform(platform)._replace(**choices)
   try:
     yield
   finally:
@@ -149,7 +149,7 @@ def norm_groups(like: Any) -> tuple[tuple[int, ...], ...]:
     >>> norm_groups(jax.device_put(like, jax.devices("cpu")[0]))
     ((0, 2),)
   """
-  backend, mesh = of(platform_of(like)), jax.sharding.get_abstract_mesh()
+  backend, mesh = for_platform(platform_of(like)), jax.sharding.get_abstract_mesh()
   if not backend.groups_norm or _placement.devices(like) > 1 or not mesh.empty:
     return ()
   leaves = jax.tree.leaves(like)

@@ -21,8 +21,17 @@ from optax_accum._core._reduction import varying_over
 
 
 def traced(*trees: Any) -> bool:
-  """Whether any leaf of ``trees`` is a tracer."""
-  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
+  """Whether any leaf of ``trees`` is a tracer. An argument that is a bool or
+  an array is its own leaf: a step's per-call probes walk no tree."""
+  walk = []
+  for tree in trees:
+    if isinstance(tree, jax.core.Tracer):
+      return True
+    if not (isinstance(tree, bool) or isinstance(tree, jax.Array)):
+      walk.append(tree)
+  return bool(walk) and any(
+    isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(walk)
+  )
 
 
 def devices(tree: Any) -> int:

@@ -205,25 +205,21 @@ def _unaliased(inputs: Inputs, donates: tuple[str, ...], *read: Any) -> Inputs:
 
 
 def select(
-  pair: Pair,
-  name: str,
-  params: Any,
-  state: MultiStepsState,
-  batch: Any,
-  rng: Any,
-  end_window: Any,
-  unalias: bool = False,
+  pair: Pair, name: str, call: Any, unalias: bool = False
 ) -> tuple[Any, Inputs]:
   """``pair``'s program ``name`` (``"accumulate"``, ``"update"``, ``"ending"``:
   the update program where a window ends in one) and its inputs from
-  ``state`` (``unalias``: each donated array used twice copied)."""
+  ``call``'s params, state, batch, rng and end_window (``unalias``: each
+  donated array used twice copied)."""
+  state = call.state
   inner, acc = state.inner_opt_state, inside(state.acc_grads)
+  inputs = Inputs(call.params, inner, acc, counters(state), call.batch, call.rng)
   if name == "accumulate":  # Neither the inner state nor the flag.
-    inputs = Inputs(params, None, acc, counters(state), batch, rng)
+    inputs = inputs._replace(inner=None)
     if unalias and not traced(inputs):  # The inner state is read too.
       inputs = _unaliased(inputs, ACCUMULATE_DONATES, inner)
     return pair.accumulate, inputs
-  inputs = Inputs(params, inner, acc, counters(state), batch, rng, end_window)
+  inputs = inputs._replace(end_window=call.end_window)
   if unalias and not traced(inputs):
     inputs = _unaliased(inputs, UPDATE_DONATES)
   if name == "ending" and isinstance(pair.update, TwoPrograms):
@@ -231,23 +227,14 @@ def select(
   return pair.update, inputs
 
 
-def run(
-  pair: Pair,
-  name: str,
-  params: Any,
-  state: MultiStepsState,
-  batch: Any,
-  rng: Any,
-  end_window: Any,
-  unalias: bool,
-) -> tuple[Any, MultiStepsState, Outputs]:
+def run(pair: Pair, name: str, call: Any, unalias: bool) -> tuple[Any, Any, Outputs]:
   """Runs :func:`select`'s program: params and state as it returns them (the
   accumulate program's, params and inner state as given), and its outputs."""
-  program, inputs = select(pair, name, params, state, batch, rng, end_window, unalias)
+  program, inputs = select(pair, name, call, unalias)
   out = program(inputs)
-  acc = outside(out.acc, state.acc_grads)
+  acc = outside(out.acc, call.state.acc_grads)
   if name == "accumulate":
-    return params, whole(out.counters, state.inner_opt_state, acc), out
+    return call.params, whole(out.counters, call.state.inner_opt_state, acc), out
   return out.params, whole(out.counters, out.inner, acc), out
 
 

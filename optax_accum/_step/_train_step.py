@@ -151,7 +151,7 @@ class TrainStep:
       return Call(params, state, batch, rng, None, layout, own=True, inner_count=count)
     check_state(opt_state)
     counts = (opt_state.mini_step, opt_state.gradient_step, end_window)
-    in_trace = traced(counts)  # No walk of the state's tree.
+    in_trace = traced(*counts)  # No walk of the state's tree.
     known, given = None if in_trace else self._known, opt_state.acc_grads
     if known is not None and known.returned(opt_state):
       fresh = ("accumulate", "update") if params is known.params else ("accumulate",)
@@ -179,7 +179,7 @@ class TrainStep:
     """Runs the call's program ``name``: its params, state and metrics."""
     unalias = self.donate and name not in call.fresh
     pair = self._layouts.programs(call.layout)
-    params, state, out = run(pair, name, *call[:5], unalias)
+    params, state, out = run(pair, name, call, unalias)
     if name == "update":
       return params, state, self._metrics(out)
     # The counters are never donated: the metrics can share them.
@@ -282,8 +282,7 @@ class TrainStep:
         f"'ending'; got {program!r}."
       )
     call = self._prepared(params, opt_state, batch, rng, False)
-    args = (call.params, call.state, call.batch, call.rng, call.end_window)
-    lowered, inputs = select(self._layouts.programs(call.layout), program, *args)
+    lowered, inputs = select(self._layouts.programs(call.layout), program, call)
     return lowered.lower(inputs)
 
 
