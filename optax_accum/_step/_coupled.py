@@ -247,10 +247,7 @@ class CoupledStep:
     or the window it ends run whole."""
     _errors.check_not_a_train_state(params)
     if self.mode != "stream":
-      if end_window is not False and bool(end_window):
-        raise ValueError(
-          "`end_window` is for streaming: in scan mode every call ends a window."
-        )
+      _errors.check_end_window(end_window, scan=True)
       _state.check_not_holding(opt_state, "a scan-mode step")
       _errors.check_counts_keys(opt_state, rng)
       return self._on_mesh(self._program, params, opt_state, batch, rng)

@@ -13,7 +13,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
+import jax.numpy as jnp
 
+from optax_accum._core import _checks
+from optax_accum._core._placement import traced
 from optax_accum._core._state import MultiStepsState, check_not_holding
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -102,4 +105,16 @@ def check_counts_keys(opt_state: Any, rng: Any) -> None:
       "`rng` needs a state that counts the run's micro-batches, and the inner "
       "optimizer's own state (tx.init(params)) counts none: every window "
       "would draw the same keys. Start from step.init(params)."
+    )
+
+
+def check_end_window(end_window: Any, scan: bool) -> None:
+  """``ValueError`` unless ``end_window`` is a scalar bool, and ``False`` in
+  scan mode. Checked on every micro-step, not only the last."""
+  if end_window is False:
+    return
+  _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
+  if scan and (traced(end_window) or bool(end_window)):
+    raise ValueError(
+      "`end_window` is for streaming: in scan mode every call ends a window."
     )

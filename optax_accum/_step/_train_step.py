@@ -22,6 +22,7 @@ from optax_accum._layouts import ONE_SUM, Layout, carried
 from optax_accum._step._coupled import CoupledLoss, CoupledStep, check_coupled
 from optax_accum._step._errors import (
   check_counts_keys,
+  check_end_window,
   check_restored,
   check_state,
   explained,
@@ -127,27 +128,20 @@ class TrainStep:
   ) -> Call:
     """The one place a call's inputs are checked and arranged: scan mode's inner
     state put into an empty window, a state the step did not return laid out
-    again and placed (``Host.arranged``); the one it returned last runs as it
+    again and placed (``Layouts.arranged``); the one it returned last runs as it
     came back, without a tree walk."""
-    if end_window is not False:  # Checked on every micro-step, not only the last.
-      _checks.check_scalar(end_window, name="end_window", dtype=jnp.bool_)
-      if self.mode == "scan" and (traced(end_window) or bool(end_window)):
-        raise ValueError(
-          "`end_window` is for streaming: in scan mode every call ends a window."
-        )
+    check_end_window(end_window, scan=self.mode == "scan")
     end_window = None if self.mode == "scan" else end_window
     if self.mode == "scan" and not isinstance(opt_state, MultiStepsState):
       check_restored(opt_state)
       check_counts_keys(opt_state, rng)
+      # One sum: its sums only inside the program (none in the state); else the
+      # step chooses the layout for the call's devices.
       one_sum = self._layouts.on_one_sum(params, opt_state, batch)
       state, count = self._around(params, opt_state, sums=not one_sum)
-      layout = ONE_SUM  # Its sums only inside the program.
-      if not one_sum:  # The step chooses.
-        params, state, layout = self._layouts.arranged(
-          params, state, batch, rng, keep=False
-        )
-      elif not traced(params, state, batch):
-        params, state = as_returned((params, state), (params, batch))
+      params, state, layout = self._layouts.arranged(
+        params, state, batch, rng, keep=one_sum
+      )
       return Call(params, state, batch, rng, None, layout, own=True, inner_count=count)
     check_state(opt_state)
     counts = (opt_state.mini_step, opt_state.gradient_step, end_window)
