@@ -16,23 +16,17 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum._core import (
-  _backend,
-  _checks,
-  _ending,
-  _noise,
-  _reduction,
-  _transitions,
-  _window,
-)
-from optax_accum._core._backend import compiler_options
+from optax_accum._core import _checks, _ending, _reduction, _transitions, _window
+from optax_accum._core._backend import compiler_options, two_programs
 from optax_accum._core._hyperparams import get_hyperparams
 from optax_accum._core._multi_steps import MultiSteps
+from optax_accum._core._noise import metric as noise_metric
 from optax_accum._core._placement import traced
 from optax_accum._core._state import MultiStepsConfig, MultiStepsState
 from optax_accum._layouts import Body, Layout, Sharded, inside, outside, renamed
 
 Metrics = dict[str, Any]
+State = MultiStepsState
 
 
 class Inputs(NamedTuple):
@@ -71,29 +65,15 @@ class Program:
   them on a top-level jit only)."""
 
   def __init__(
-    self,
-    body: Body,
-    donates: tuple[str, ...],
-    donate: bool,
-    sharded: Sharded | None = None,
+    self, body: Body, donates: tuple[str, ...], donate: bool, sharded: Sharded | None
   ):
-    def flat(*fields: Any) -> Outputs:
-      return body(Inputs(*fields))
-
-    renamed(flat, body)  # What jit logs and profiles.
-
+    flat = renamed(lambda *fields: body(Inputs(*fields)), body)  # What jit logs.
     argnums = tuple(Inputs._fields.index(name) for name in donates) if donate else ()
     fn = flat if sharded is None else _mapped(flat, sharded)
-    self.nested = jax.jit(fn, donate_argnums=argnums)
-    options = compiler_options()
-    self.jitted = (
-      self.nested
-      if options is None
-      else jax.jit(fn, donate_argnums=argnums, compiler_options=options)
-    )
-    self._jit = functools.partial(
-      jax.jit, fn, donate_argnums=argnums, compiler_options=options
-    )
+    jit = functools.partial(jax.jit, fn, donate_argnums=argnums)
+    self.nested, options = jit(), compiler_options()
+    self.jitted = self.nested if options is None else jit(compiler_options=options)
+    self._jit = functools.partial(jit, compiler_options=options)
     self._returns = (*donates, "counters")  # What it returns of its inputs.
     self._as_given: dict[Any, Any] = {}
 
@@ -111,13 +91,10 @@ class Program:
     leaf (else XLA chooses: a replicated norm scale came back split)."""
     if not _on_a_mesh(inputs):
       return self.jitted
-    returned = {
-      name: jax.tree.map(_sharding, getattr(inputs, name)) for name in self._returns
-    }
+    returned = {n: jax.tree.map(_sharding, getattr(inputs, n)) for n in self._returns}
     given = Outputs(None, None, None, None, None, None)._replace(**returned)
     leaves, treedef = jax.tree.flatten(given)
-    key = (tuple(leaves), treedef)
-    if key not in self._as_given:
+    if (key := (tuple(leaves), treedef)) not in self._as_given:
       self._as_given[key] = self._jit(out_shardings=given)
     return self._as_given[key]
 
@@ -132,10 +109,9 @@ def _on_a_mesh(inputs: Inputs) -> bool:
   """Whether a call from Python runs on a mesh of several devices, by its
   counters (placed there with the state; no tree walk)."""
   probe = getattr(inputs.counters, "mini_step", None)
-  if not isinstance(probe, jax.Array) or traced(probe):
-    return False
-  sharding = probe.sharding
-  return isinstance(sharding, NamedSharding) and sharding.mesh.size > 1
+  concrete = isinstance(probe, jax.Array) and not traced(probe)
+  sharding = _sharding(probe) if concrete else None
+  return sharding is not None and sharding.mesh.size > 1
 
 
 def _traced(inputs: Inputs) -> bool:
@@ -148,14 +124,10 @@ def _mapped(flat: Callable[..., Outputs], sharded: Sharded) -> Callable[..., Out
   """``flat`` in a ``shard_map`` splitting the accumulator, rows and ``aux`` as
   ``sharded`` says; everything else whole."""
   whole = P()
-  inputs = Inputs(whole, whole, sharded.acc, whole, sharded.rows, whole, whole)
-  outputs = Outputs(whole, whole, sharded.acc, whole, whole, sharded.aux)
+  ins = (whole, whole, sharded.acc, whole, sharded.rows, whole, whole)
+  outs = Outputs(whole, whole, sharded.acc, whole, whole, sharded.aux)
   return jax.shard_map(
-    flat,
-    mesh=sharded.mesh,
-    in_specs=tuple(inputs),
-    out_specs=outputs,
-    axis_names=set(sharded.axes),
+    flat, mesh=sharded.mesh, in_specs=ins, out_specs=outs, axis_names=set(sharded.axes)
   )
 
 
@@ -187,21 +159,17 @@ def _unaliased(inputs: Inputs, donates: tuple[str, ...], *read: Any) -> Inputs:
   """``inputs`` with each array in a donated field used twice (there, in the
   fields read or in ``read``) copied: a buffer cannot be donated twice, nor
   donated and read; hand-built states alias."""
-  fields = zip(Inputs._fields, inputs, strict=True)
-  read = (*read, *(x for name, x in fields if name not in donates))
+  read = (*read, *(getattr(inputs, n) for n in Inputs._fields if n not in donates))
   seen = {id(x) for x in jax.tree.leaves(read) if isinstance(x, jax.Array)}
 
   def fresh(x: Any) -> Any:
-    if not isinstance(x, jax.Array):
-      return x
-    if id(x) in seen:
+    if isinstance(x, jax.Array) and id(x) in seen:
       return jnp.copy(x)
     seen.add(id(x))
     return x
 
-  return inputs._replace(
-    **{n: jax.tree.map(fresh, getattr(inputs, n)) for n in donates}
-  )
+  fresh_fields = {n: jax.tree.map(fresh, getattr(inputs, n)) for n in donates}
+  return inputs._replace(**fresh_fields)
 
 
 def select(
@@ -211,17 +179,15 @@ def select(
   the update program where a window ends in one) and its inputs from
   ``call``'s params, state, batch, rng and end_window (``unalias``: each
   donated array used twice copied)."""
-  state = call.state
+  state, ends = call.state, name != "accumulate"  # Accumulate: no inner, no flag.
   inner, acc = state.inner_opt_state, inside(state.acc_grads)
-  inputs = Inputs(call.params, inner, acc, counters(state), call.batch, call.rng)
-  if name == "accumulate":  # Neither the inner state nor the flag.
-    inputs = inputs._replace(inner=None)
-    if unalias and not traced(inputs):  # The inner state is read too.
-      inputs = _unaliased(inputs, ACCUMULATE_DONATES, inner)
+  fields = call.params, inner if ends else None, acc, counters(state), call.batch
+  inputs = Inputs(*fields, call.rng, call.end_window if ends else None)
+  if unalias and not traced(inputs):  # Accumulate reads the inner state too.
+    donates, read = (UPDATE_DONATES, ()) if ends else (ACCUMULATE_DONATES, (inner,))
+    inputs = _unaliased(inputs, donates, *read)
+  if not ends:
     return pair.accumulate, inputs
-  inputs = inputs._replace(end_window=call.end_window)
-  if unalias and not traced(inputs):
-    inputs = _unaliased(inputs, UPDATE_DONATES)
   if name == "ending" and isinstance(pair.update, TwoPrograms):
     return pair.update.ending, inputs._replace(batch=None, rng=None, end_window=False)
   return pair.update, inputs
@@ -246,25 +212,25 @@ def micro_batch_key(rng: jax.Array, seen: Any, axes: tuple[str, ...]) -> jax.Arr
   return jax.random.fold_in(key, _reduction.replica_index(axes)) if axes else key
 
 
-def counters(state: MultiStepsState) -> MultiStepsState:
+def counters(state: State) -> State:
   """``state`` without its params-sized parts: the counters and window totals,
   never donated (the metrics a step returns can share them)."""
   return state._replace(inner_opt_state=None, acc_grads=None)
 
 
-def whole(counters: MultiStepsState, inner: Any, acc: Any) -> MultiStepsState:
+def whole(counters: State, inner: Any, acc: Any) -> State:
   """The state :func:`counters` split, whole again."""
   return counters._replace(inner_opt_state=inner, acc_grads=acc)
 
 
-def without_sums(config: MultiStepsConfig, state: MultiStepsState) -> MultiStepsState:
+def without_sums(config: MultiStepsConfig, state: State) -> State:
   """``state`` without its sums (``None`` in each term's place): what reads the
   window's totals, and the window's end where the sums it resets go unused."""
   names = config.terms
   return state._replace(acc_grads=None if names is None else (None,) * len(names))
 
 
-def learning_rate(state: MultiStepsState) -> Any:
+def learning_rate(state: State) -> Any:
   """The injected learning rate, a dict of them by group, or ``None``."""
   try:
     return get_hyperparams(state).get("learning_rate")
@@ -273,12 +239,7 @@ def learning_rate(state: MultiStepsState) -> Any:
 
 
 def metrics(
-  config: MultiStepsConfig,
-  added: MultiStepsState,
-  new: MultiStepsState,
-  loss: Any,
-  norm: Any,
-  lr: Any,
+  config: MultiStepsConfig, added: State, new: State, loss: Any, norm: Any, lr: Any
 ) -> Metrics:
   """The step's metrics (per term under ``"terms"``); never reads the sums."""
   window = _transitions.window_of(config, without_sums(config, added))
@@ -295,7 +256,7 @@ def metrics(
   if lr is not None:
     out["learning_rate"] = lr
   if config.noise_scale:
-    out["noise_scale"] = _noise.metric(new.noise_scale, new.updated)
+    out["noise_scale"] = noise_metric(new.noise_scale, new.updated)
   if config.terms is not None:
     out["terms"] = _window.term_metrics(window, config.terms)
   return out
@@ -312,11 +273,8 @@ class Bodies:
     has_aux: bool,
     reduction: _reduction.Reduction,
   ):
-    self.loss_fn = loss_fn
-    self.optimizer = optimizer
-    self.config = optimizer.config
-    self.has_aux = has_aux
-    self.reduction = reduction
+    self.loss_fn, self.optimizer, self.has_aux = loss_fn, optimizer, has_aux
+    self.config, self.reduction = optimizer.config, reduction
 
   def under(self, reduction: _reduction.Reduction) -> Bodies:
     """These bodies under another reduction policy."""
@@ -325,20 +283,15 @@ class Bodies:
   # -- one micro-batch -------------------------------------------------------
 
   def _grads(self, params: Any, batch: Any, rng: Any, seen: Any) -> tuple[Any, ...]:
-    """Gradient, loss, weight and aux of one micro-batch."""
+    """Gradient, loss, weight (by term with terms) and aux of one micro-batch."""
     axes = self.reduction.axes
-    args: tuple[Any, ...] = (batch,)
-    if rng is not None:
-      args = (batch, micro_batch_key(rng, seen, axes))
+    args = (batch,) if rng is None else (batch, micro_batch_key(rng, seen, axes))
     params = self.reduction.cast_params(params)
-
-    if self.config.terms is not None:
-      return self._term_grads(params, args)
-
-    def loss(p: Any) -> tuple[jax.Array, tuple[Any, Any]]:
-      return self._loss_parts(self.loss_fn(p, *args))
-
-    (value, (weight, aux)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    if self.config.terms is None:
+      loss = jax.value_and_grad(self._loss_parts, has_aux=True)
+      (value, (weight, aux)), grads = loss(params, args)
+    else:
+      grads, value, weight, aux = self._term_grads(params, args)
     _reduction.check_named_axes(self.config.axis_name, axes, "The train step")
     return grads, value, weight, aux
 
@@ -348,21 +301,14 @@ class Bodies:
     (0/0 at weight 0) into NaN everywhere (0 * NaN). XLA runs the forward once."""
     names = self.config.terms or ()
 
-    def term(i: int) -> Callable[[Any], tuple[Any, Any]]:
-      def value(p: Any) -> tuple[Any, Any]:
-        terms, aux = self._term_parts(self.loss_fn(p, *args))
-        values = tuple(terms[n][0] for n in names)
-        return values[i], (values, tuple(terms[n][1] for n in names), aux)
+    def value(p: Any, i: int) -> tuple[Any, Any]:
+      terms, aux = self._term_parts(self.loss_fn(p, *args))
+      values = tuple(terms[n][0] for n in names)
+      return values[i], (values, tuple(terms[n][1] for n in names), aux)
 
-      return value
-
-    grads = []
-    for i in range(len(names)):
-      grad, (values, weights, aux) = jax.grad(term(i), has_aux=True)(params)
-      grads.append(grad)
-    axes = self.reduction.axes
-    _reduction.check_named_axes(self.config.axis_name, axes, "The train step")
-    return tuple(grads), values, weights, aux
+    passes = [jax.grad(value, has_aux=True)(params, i) for i in range(len(names))]
+    values, weights, aux = passes[-1][1]  # The same in every pass.
+    return tuple(grad for grad, _ in passes), values, weights, aux
 
   def _term_parts(self, out: Any) -> tuple[dict[str, Any], Any]:
     """The dict of terms ``{name: (value, weight)}`` and the aux, checked."""
@@ -383,52 +329,35 @@ class Bodies:
         )
     return terms, aux
 
-  def _loss_parts(self, out: Any) -> tuple[Any, tuple[Any, Any]]:
+  def _loss_parts(self, params: Any, args: tuple[Any, ...]) -> tuple[Any, Any]:
+    """``loss_fn``'s loss, and its weight and aux, checked."""
+    has_aux, out = self.has_aux, self.loss_fn(params, *args)
+    value, rest = out if isinstance(out, tuple) and len(out) == 2 else (None, None)
     if isinstance(out, dict):
-      raise ValueError(
-        self._contract(
-          f"got a dict of loss terms {sorted(out)}: declare them with "
-          "MultiSteps(..., terms=(...)) to keep each term's own weight"
-        )
-      )
-    if not (isinstance(out, tuple) and len(out) == 2):
-      raise ValueError(self._contract(f"got {_checks.describe_output(out)}"))
-    value, rest = out
-    if self.has_aux:
-      if not (isinstance(rest, tuple) and len(rest) == 2):
-        raise ValueError(self._contract(f"got (loss, {_checks.describe_output(rest)})"))
-      return value, rest
-    if isinstance(rest, tuple | list | dict):
-      raise ValueError(
-        self._contract(f"got (loss, {type(rest).__name__}): set has_aux=True?")
-      )
-    return value, (rest, None)
-
-  def _contract(self, got: str) -> str:
-    want = "(loss, (weight, aux))" if self.has_aux else "(loss, weight)"
-    return f"`loss_fn` must return {want} with has_aux={self.has_aux}, {got}."
+      got = f"a dict of loss terms {sorted(out)}: declare them with MultiSteps(..., "
+      got += "terms=(...)) to keep each term's own weight"
+    elif not (isinstance(out, tuple) and len(out) == 2):
+      got = _checks.describe_output(out)
+    elif has_aux and not (isinstance(rest, tuple) and len(rest) == 2):
+      got = f"(loss, {_checks.describe_output(rest)})"
+    elif not has_aux and isinstance(rest, tuple | list | dict):
+      got = f"(loss, {type(rest).__name__}): set has_aux=True?"
+    else:
+      return (value, rest) if has_aux else (value, (rest, None))
+    want = "(loss, (weight, aux))" if has_aux else "(loss, weight)"
+    raise ValueError(f"`loss_fn` must return {want} with has_aux={has_aux}, got {got}.")
 
   def _add(
-    self,
-    params: Any,
-    state: MultiStepsState,
-    batch: Any,
-    rng: Any,
-    reduction: Any = None,
-  ) -> tuple[MultiStepsState, jax.Array, Any]:
+    self, params: Any, state: State, batch: Any, rng: Any, reduction: Any = None
+  ) -> tuple[State, jax.Array, Any]:
     """A micro-batch added (by default under the step's ``reduction``); whether it
     counted, and its aux."""
     grads, value, weight, aux = self._grads(
       params, batch, rng, state.micro_batches_seen
     )
+    reduction = self.reduction if reduction is None else reduction
     added, counted = _transitions.add_micro_batch(
-      self.config,
-      state,
-      grads,
-      params,
-      weight=weight,
-      loss=value,
-      reduction=self.reduction if reduction is None else reduction,
+      self.config, state, grads, params, weight=weight, loss=value, reduction=reduction
     )
     return added, counted, aux
 
@@ -438,36 +367,31 @@ class Bodies:
     """Adds a micro-batch that cannot end the window."""
     state = whole(inputs.counters, None, inputs.acc)
     added, _, aux = self._add(inputs.params, state, inputs.batch, inputs.rng)
-    loss = self.optimizer.window_loss(added)
     # Typed as the update's norm: the window weight's dtype.
     dtype = jnp.result_type(*jax.tree.leaves(added.acc_weight))
-    out = {"loss": loss, "grad_norm": jnp.zeros([], dtype)}
+    out = {"loss": self.optimizer.window_loss(added), "grad_norm": jnp.zeros([], dtype)}
     return Outputs(None, None, added.acc_grads, counters(added), out, aux)
 
   def update(self, inputs: Inputs) -> Outputs:
     """Adds a micro-batch and ends the window if it is full or ``end_window``."""
-    params = inputs.params
     state = whole(inputs.counters, inputs.inner, inputs.acc)
-    added, counted, aux = self._add(params, state, inputs.batch, inputs.rng)
-    return self._ended(added, counted, inputs.end_window, params)._replace(aux=aux)
+    added, counted, aux = self._add(inputs.params, state, inputs.batch, inputs.rng)
+    return self._ended(inputs, added, counted, aux)
 
   def ending(self, inputs: Inputs) -> Outputs:
     """:meth:`update`'s second half, after :meth:`accumulate`; only where every
     micro-batch counts (it skips ``should_skip_update_fn``)."""
     added = whole(inputs.counters, inputs.inner, inputs.acc)
-    return self._ended(added, jnp.array(True), inputs.end_window, inputs.params)
+    return self._ended(inputs, added, jnp.array(True), None)
 
-  def _ended(
-    self, added: MultiStepsState, counted: Any, end_window: Any, params: Any
-  ) -> Outputs:
-    """The window of ``added`` ended if it is full or ``end_window``."""
-    ends = _transitions.window_ends(self.config, added, counted, end_window)
+  def _ended(self, inputs: Inputs, added: State, counted: Any, aux: Any) -> Outputs:
+    """The window of ``added`` ended if it is full or ``inputs.end_window``. The
+    accumulator keeps the window's sum (or this replica's partial sum): the next
+    window's first micro-batch overwrites it (see _window.add)."""
+    ends = _transitions.window_ends(self.config, added, counted, inputs.end_window)
     window = self.reduction.window_gradient(added.acc_grads)
     summed = added._replace(acc_grads=window)
-    params, inner, counters_, out = self._end(summed, ends, params)
-    # The accumulator keeps the window's sum (or this replica's partial sum):
-    # the next window's first micro-batch overwrites it (see _window.add).
-    return Outputs(params, inner, added.acc_grads, counters_, out, None)
+    return self._end(summed, ends, inputs.params, added.acc_grads, aux)
 
   def scan(self, inputs: Inputs) -> Outputs:
     """A whole window, micro-batches along the batch's leading axis. Replicas sum
@@ -478,14 +402,13 @@ class Bodies:
     _check_leading_axis(batch, self.config)
     axes, partial = self.reduction.axes, self.reduction.at_window_end
     loop = self.reduction.per_window()
-    empty = acc is None
-    if empty:
+    if empty := acc is None:
       window = _transitions.empty_window(self.config, params)
       acc = _window.as_state_fields(window, self.config.terms).acc_grads
     own = axes and (empty or not partial)
     start = jax.tree.map(lambda x: loop.own(jnp.zeros_like(x)), acc) if own else acc
 
-    def body(state: MultiStepsState, micro_batch: Any) -> Any:
+    def body(state: State, micro_batch: Any) -> Any:
       added, _, aux = self._add(params, state, micro_batch, inputs.rng, loop)
       return added, aux
 
@@ -498,19 +421,20 @@ class Bodies:
         lambda total, a: total + jnp.where(streamed, a, jnp.zeros_like(a)), window, acc
       )
     summed = added._replace(acc_grads=window, inner_opt_state=inputs.inner)
-    params, inner, counters_, out = self._end(summed, jnp.array(True), params)
     sums = None if empty else partial_sums if partial else window
-    return Outputs(params, inner, sums, counters_, out, auxs)
+    return self._end(summed, jnp.array(True), params, sums, auxs)
 
-  def _end(self, added: MultiStepsState, ends: Any, params: Any) -> tuple[Any, ...]:
-    """Ends the window if ``ends``: params (in place), inner, counters, metrics."""
-    loss = self.optimizer.window_loss(added)
+  def _end(self, summed: State, ends: Any, params: Any, sums: Any, aux: Any) -> Outputs:
+    """Ends the window of ``summed`` (its gradient reduced) if ``ends``: params
+    (in place), the inner state, ``sums`` (what the accumulator keeps), counters,
+    metrics and ``aux``."""
+    loss = self.optimizer.window_loss(summed)
     done = _ending.end(  # The accumulator keeps the sums: no reset to trace.
       self.config,
       self.optimizer.inner_opt,
-      without_sums(self.config, added),
+      without_sums(self.config, summed),
       ends,
-      sums=added.acc_grads,
+      sums=summed.acc_grads,
       params=params,
       like=params,
       reduction=self.reduction,
@@ -519,8 +443,8 @@ class Bodies:
       apply_to_params=True,
     )
     new = done.state
-    out = metrics(self.config, added, new, loss, done.norm, learning_rate(new))
-    return done.target, new.inner_opt_state, counters(new), out
+    out = metrics(self.config, summed, new, loss, done.norm, learning_rate(new))
+    return Outputs(done.target, new.inner_opt_state, sums, counters(new), out, aux)
 
 
 def _check_leading_axis(batch: Any, config: MultiStepsConfig) -> None:
@@ -555,7 +479,7 @@ def programs(layout: Layout, bodies: Bodies, *, scan: bool, donate: bool) -> Pai
   accumulate = program(bodies.accumulate, ACCUMULATE_DONATES)
   update = program(bodies.scan if scan else bodies.update, UPDATE_DONATES, window=scan)
   plain = policy is None and layout.sharded(False) is None
-  if not scan and _backend.two_programs(bodies.config, plain):
+  if not scan and two_programs(bodies.config, plain):
     ending = program(bodies.ending, UPDATE_DONATES)
     return Pair(accumulate, TwoPrograms(accumulate, ending, update))
   return Pair(accumulate, update)
