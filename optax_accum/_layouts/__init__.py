@@ -11,10 +11,7 @@ from optax_accum._layouts._layout import (
   Layout,
   Sharded,
   choose_leaves,
-  deferred,
   micro_batch_like,
-  one_sum,
-  per_replica,
   renamed,
 )
 from optax_accum._layouts._packed import Packed
@@ -26,8 +23,6 @@ from optax_accum._layouts._storage import (
   per_replica_like,
   relayout,
   resume_target,
-  stored_as,
-  sum_shapes,
   to_sum,
 )
 
@@ -40,20 +35,15 @@ __all__ = (
   "Sharded",
   "carried",
   "choose_leaves",
-  "deferred",
   "for_call",
   "for_init",
   "inside",
   "kept",
   "micro_batch_like",
-  "one_sum",
   "outside",
-  "per_replica",
   "per_replica_like",
   "relayout",
   "renamed",
   "resume_target",
-  "stored_as",
-  "sum_shapes",
   "to_sum",
 )

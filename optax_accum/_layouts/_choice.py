@@ -12,19 +12,21 @@ device.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from optax_accum._core import _placement
 from optax_accum._core._checks import axes as _axes
 from optax_accum._core._state import MultiStepsConfig, StoredNode
 from optax_accum._layouts._layout import ONE_SUM, Layout, deferred, per_replica
 from optax_accum._layouts._packed import Packed
-from optax_accum._layouts._storage import PerReplica
+from optax_accum._layouts._storage import PerReplica, replica_count
+
+#: ``choose(mesh, axes)``: a deferred layout over ``axes``, its leaves picked.
+Choose = Callable[[Mesh, tuple[str, ...]], Layout]
 
 
 def kept(acc: Any) -> Layout | None:
@@ -51,62 +53,47 @@ def for_init(params: Any, config: MultiStepsConfig) -> Layout:
   axes = _axes(config.axis_name)
   if axes:
     return ONE_SUM if split & set(axes) else per_replica(mesh, axes)
-  if not defers(config):
-    return ONE_SUM
-  free = tuple(a for a in _explicit(mesh) if a not in split)
-  if _replicas(mesh, free) <= 1:
+  free = tuple(a for a in mesh.explicit_axes if a not in split)
+  if not defers(config) or replica_count(mesh, free) <= 1:
     return ONE_SUM
   return deferred(mesh, free, (False,) * len(jax.tree.leaves(params)))
 
 
 def for_call(
-  params: Any,
-  batch: Any,
-  config: MultiStepsConfig,
-  *,
-  scan: bool,
-  choose: Callable[[jax.sharding.Mesh, tuple[str, ...]], Layout],
+  params: Any, batch: Any, config: MultiStepsConfig, *, scan: bool, choose: Choose
 ) -> Layout | None:
   """The partial sums of a call whose ``batch`` rows are split over data axes,
   or ``None``; ``choose(mesh, axes)`` picks a deferred layout's leaves. With
   ``axis_name`` a ``ValueError`` unless each batch leaf's rows are split over
   exactly its axes and no param is."""
   dim = 1 if scan else 0
-  rows = [
-    (path, getattr(leaf, "sharding", None))
-    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]
-  ]
-  found: set[tuple[Any, tuple[str, ...]]] = {
-    (s.mesh, _rows(s, dim)) for _, s in rows if isinstance(s, NamedSharding)
-  }
+  flat = jax.tree_util.tree_flatten_with_path(batch)[0]
+  rows = [(path, getattr(leaf, "sharding", None)) for path, leaf in flat]
+  # Each leaf's mesh (None off a mesh) and the axes its rows are split over.
+  found = {(getattr(s, "mesh", None), _rows(s, dim)) for _, s in rows}
   axes = _axes(config.axis_name)
   if axes:
     for path, sharding in rows:
-      got = _rows(sharding, dim) if isinstance(sharding, NamedSharding) else ()
-      if got != axes:
+      if (got := _rows(sharding, dim)) != axes:
         raise ValueError(_not_split(config.axis_name, path, got, scan))
     if len(found) != 1:
       raise ValueError(f"The batch's leaves lie on {len(found)} different meshes.")
-    mesh = found.pop()[0]
     for path, param in jax.tree_util.tree_flatten_with_path(params)[0]:
-      both = set(_placement.axes_of(param)) & set(axes)
-      if both:
+      if both := set(_placement.axes_of(param)) & set(axes):
         raise ValueError(_fsdp(path, sorted(both)[0]))
-    return per_replica(mesh, axes)
-  whole = all(isinstance(s, NamedSharding) and len(s.spec) > dim for _, s in rows)
-  if not defers(config) or not whole or len(found) != 1:
+    return per_replica(found.pop()[0], axes)
+  if not defers(config) or len(found) != 1:
     return None
   mesh, axes = found.pop()
-  if not isinstance(mesh, jax.sharding.Mesh) or not axes:
+  if not isinstance(mesh, Mesh) or not axes:
     return None
-  if set(axes) - set(_explicit(mesh)) or _replicas(mesh, axes) == 1:
+  if set(axes) - set(mesh.explicit_axes) or replica_count(mesh, axes) == 1:
     return None  # Auto axes have no ``reduced`` type; one device, nothing to add.
-  for param in jax.tree.leaves(params):
-    sharding = getattr(param, "sharding", None)
-    if not isinstance(sharding, NamedSharding) or sharding.mesh != mesh:
-      return None
-    if set(_placement.axes_of(param)) & set(axes):
-      return None  # FSDP's gradients are reduce-scattered.
+  shardings = [getattr(p, "sharding", None) for p in jax.tree.leaves(params)]
+  if not all(isinstance(s, NamedSharding) and s.mesh == mesh for s in shardings):
+    return None
+  if _split(params) & set(axes):
+    return None  # FSDP's gradients are reduce-scattered.
   return choose(mesh, axes)
 
 
@@ -116,24 +103,16 @@ def defers(config: MultiStepsConfig) -> bool:
   return config.on_nonfinite != "skip_micro_batch" and not config.noise_scale
 
 
-def _rows(sharding: NamedSharding, dim: int) -> tuple[str, ...]:
+def _rows(sharding: Any, dim: int) -> tuple[str, ...]:
   """The mesh axes a batch leaf's rows (dimension ``dim``) are split over."""
-  spec = sharding.spec
-  return _axes(spec[dim]) if len(spec) > dim else ()
+  if not isinstance(sharding, NamedSharding) or len(sharding.spec) <= dim:
+    return ()
+  return _axes(sharding.spec[dim])
 
 
 def _split(params: Any) -> set[str]:
   """The mesh axes any param is split over."""
   return {a for p in jax.tree.leaves(params) for a in _placement.axes_of(p)}
-
-
-def _explicit(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
-  types = zip(mesh.axis_names, mesh.axis_types, strict=True)
-  return tuple(a for a, t in types if t == AxisType.Explicit)
-
-
-def _replicas(mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> int:
-  return math.prod(mesh.shape[a] for a in axes)
 
 
 def _not_split(axis_name: Any, path: Any, got: tuple[str, ...], scan: bool) -> str:

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._core import _reduction
@@ -27,6 +27,7 @@ from optax_accum._layouts._storage import (
   stored_as,
   sum_shapes,
   to_sum,
+  unstacked,
 )
 
 #: A program body: ``Inputs`` to ``Outputs`` (``_step._programs``).
@@ -37,7 +38,7 @@ class Sharded(NamedTuple):
   """A program's ``shard_map``: its mesh and axes, and the specs of what is
   split over them (the accumulator, the rows of a batch, ``aux``)."""
 
-  mesh: jax.sharding.Mesh
+  mesh: Mesh
   axes: tuple[str, ...]
   acc: Any
   rows: Any
@@ -81,7 +82,7 @@ ONE_SUM = one_sum()
 
 
 @functools.cache
-def per_replica(mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> Layout:
+def per_replica(mesh: Mesh, axes: tuple[str, ...]) -> Layout:
   """Partial sums over ``axes``, added in a ``shard_map``, reduced once a window;
   stored as :class:`~optax_accum.PerReplica`."""
 
@@ -106,9 +107,7 @@ def per_replica(mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> Layout:
 
 
 @functools.cache
-def deferred(
-  mesh: jax.sharding.Mesh, axes: tuple[str, ...], leaves: tuple[bool, ...] = ()
-) -> Layout:
+def deferred(mesh: Mesh, axes: tuple[str, ...], leaves: tuple[bool, ...]) -> Layout:
   """Per-device partial sums over ``Explicit`` axes ``axes``, added in the
   global view: params cast to ``reduced`` keep each ``leaves`` leaf's gradient
   ``unreduced``, reduced once a window (``_reduction.Deferred``); stored as
@@ -128,10 +127,7 @@ def deferred(
 
 
 def choose_leaves(
-  mesh: jax.sharding.Mesh,
-  axes: tuple[str, ...],
-  fits: Callable[[Layout], bool],
-  params: Any,
+  mesh: Mesh, axes: tuple[str, ...], fits: Callable[[Layout], bool], params: Any
 ) -> Layout:
   """The deferred layout of the largest set of 2+-D leaves ``fits`` accepts;
   the others' gradients, reduced by XLA, join the first replica's partial sum."""
@@ -157,20 +153,16 @@ def _fitting(indices: list[int], fits: Callable[[list[int]], bool]) -> list[int]
   return left + right
 
 
-def _relaid(
-  mesh: jax.sharding.Mesh, axes: tuple[str, ...], acc: Any, inside: bool
-) -> Any:
+def _relaid(mesh: Mesh, axes: tuple[str, ...], acc: Any, inside: bool) -> Any:
   """The accumulator as programs add to it (``inside``: ``unreduced`` partial
   sums) or as stored (stacked on a replica axis). No data moves: an unchecked
   ``shard_map`` (``unreduced`` to per-device values has no typed cast)."""
 
   def relaid(x: jax.Array) -> jax.Array:
     rest = jax.typeof(x).sharding.spec.partitions[1 if inside else 0 :]
-    unreduced = P(*rest, unreduced=set(axes))
-    if inside:
-      fn, in_spec, out_spec = (lambda s: s[0]), replica_spec(axes, *rest), unreduced
-    else:
-      fn, in_spec, out_spec = (lambda v: v[None]), unreduced, replica_spec(axes, *rest)
+    stored, added = replica_spec(axes, *rest), P(*rest, unreduced=set(axes))
+    in_spec, out_spec = (stored, added) if inside else (added, stored)
+    fn = (lambda s: s[0]) if inside else (lambda v: v[None])
     return jax.shard_map(
       fn, mesh=mesh, in_specs=in_spec, out_specs=out_spec, check_vma=False
     )(x)
@@ -180,15 +172,7 @@ def _relaid(
 
 def micro_batch_like(batch: Any) -> Any:
   """Shapes of one micro-batch of a scan-mode ``batch`` (its first entry)."""
-
-  def one(x: Any) -> jax.ShapeDtypeStruct:
-    sharding = x.sharding
-    spec = P(*tuple(sharding.spec)[1:])
-    return jax.ShapeDtypeStruct(
-      x.shape[1:], x.dtype, sharding=NamedSharding(sharding.mesh, spec)
-    )
-
-  return jax.tree.map(one, batch)
+  return jax.tree.map(unstacked, batch)
 
 
 def renamed(wrapper: Body, body: Body) -> Body:

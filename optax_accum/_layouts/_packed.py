@@ -54,9 +54,9 @@ class Packed(StoredNode):
   )
 
 
-def packing_of(shapes: Any) -> Packing | None:
+def packing_of(shapes: Any) -> Packing:
   """How ``step.init`` packed the sums ``shapes`` (one sum) on one CPU device
-  before packing was removed, or ``None`` if it did not: leaves of 1 to 4096
+  before packing was removed (no groups if it did not): leaves of 1 to 4096
   elements, by dtype where a dtype had at least 16, in consecutive groups of
   at most 8192 elements."""
   flat, treedef = jax.tree.flatten(shapes)
@@ -69,10 +69,7 @@ def packing_of(shapes: Any) -> Packing | None:
   groups = tuple(
     g for c in chosen for g in _backend.consecutive(c, sizes, 8192) if len(g) > 1
   )
-  if not groups:
-    return None
-  packed = {i for group in groups for i in group}
-  rest = tuple(i for i in range(len(flat)) if i not in packed)
+  rest = tuple(i for i in range(len(flat)) if not any(i in g for g in groups))
   return Packing(treedef, tuple(sizes), groups, rest)
 
 
@@ -83,23 +80,21 @@ def unpacked(acc: Packed) -> Any:
   on_host = all(isinstance(x, np.ndarray | np.generic) for x in jax.tree.leaves(acc))
   xp = np if on_host else jnp
   packing = acc.packing
-  out: list[Any] = [None] * len(packing.shapes)
-  for i, leaf in zip(packing.rest, acc.rest, strict=True):
-    out[i] = leaf
+  out = dict(zip(packing.rest, acc.rest, strict=True))
   for group, buffer in zip(packing.groups, acc.groups, strict=True):
     start = 0
     for i in group:
       stop = start + math.prod(packing.shapes[i])
       out[i] = xp.reshape(buffer[start:stop], packing.shapes[i])
       start = stop
-  return jax.tree.unflatten(packing.treedef, out)
+  return jax.tree.unflatten(packing.treedef, [out[i] for i in range(len(out))])
 
 
 def restore_target(shapes: Any, sizes: list[int]) -> Packed:
   """Host zeros packed as ``step.init`` packed sums of ``shapes``, whose group
   sizes a checkpoint says are ``sizes``."""
   packing = packing_of(shapes)
-  if packing is None or [packing.size(g) for g in packing.groups] != sizes:
+  if not packing.groups or [packing.size(g) for g in packing.groups] != sizes:
     raise ValueError(
       f"`saved` is packed in groups of {sizes} elements, which step.init did "
       "not give these params: it holds the sums of other params. Restore it "

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._core import _checks, _placement, _window
@@ -82,11 +82,10 @@ def stored_as(acc: Any, like: Any) -> Any:
   match like:
     case PerReplica():
       if isinstance(acc, PerReplica) and replicas(acc) == replicas(like):
-        return PerReplica(
-          jax.tree.map(_placement.placed_like, acc.sums, like.sums), like.axes
-        )
-      n, total = replicas(like), to_sum(acc)
-      sums = jax.tree.map(lambda t, a: _first_placed(t, n, a), total, like.sums)
+        sums = jax.tree.map(_placement.placed_like, acc.sums, like.sums)
+      else:
+        n = replicas(like)
+        sums = jax.tree.map(lambda t, a: _first_placed(t, n, a), to_sum(acc), like.sums)
       return PerReplica(sums, like.axes)
     case Packed():
       raise ValueError("Packed sums are only restored: relayout them to one sum.")
@@ -97,12 +96,12 @@ def stored_as(acc: Any, like: Any) -> Any:
 
 
 def per_replica_like(
-  mesh: jax.sharding.Mesh, axes: tuple[str, ...], sums: Any, params: Any, terms: Names
+  mesh: Mesh, axes: tuple[str, ...], sums: Any, params: Any, terms: Names
 ) -> PerReplica:
   """Shapes of one sum's ``sums`` (one tree per term) stored per replica over
   ``axes``: a leading replica axis split over them, each partial sum split
   like its param on other axes."""
-  n = math.prod(mesh.shape[a] for a in axes)
+  n = replica_count(mesh, axes)
 
   def stacked(a: Any, p: Any) -> jax.ShapeDtypeStruct:
     rest = _placement.spec_on(mesh, p) or (None,) * jnp.ndim(p)
@@ -120,6 +119,11 @@ def per_replica_like(
     )
   stacks = tuple(jax.tree.map(stacked, tree, params) for tree in trees)
   return PerReplica(_window.stored(stacks, terms), axes)
+
+
+def replica_count(mesh: Mesh, axes: tuple[str, ...]) -> int:
+  """The number of replicas over the mesh axes ``axes``."""
+  return math.prod(mesh.shape[a] for a in axes)
 
 
 def replica_spec(axes: tuple[str, ...], *rest: Any) -> P:
@@ -193,25 +197,25 @@ def relayout(state: MultiStepsState, like: MultiStepsState) -> MultiStepsState:
   # committed to other devices cannot meet): their own shardings place the work.
   traced = _placement.traced(state, like)
   with contextlib.nullcontext() if traced else jax.set_mesh(None):
-    total = sum_shapes(acc)
+    if target is None:
+      return state._replace(acc_grads=to_sum(acc))
     _checks.check_tree_matches(
-      total,
-      sum_shapes(target) if target is not None else total,
+      sum_shapes(acc),
+      sum_shapes(target),
       name="state's accumulator",
       ref_name="`like`'s (relayout converts states of the same params; start a "
       "state for other params from opt.init(params))",
     )
-    return state._replace(
-      acc_grads=to_sum(acc) if target is None else stored_as(acc, target)
-    )
+    return state._replace(acc_grads=stored_as(acc, target))
 
 
 def _same_layout(acc: Any, target: Any) -> bool:
   """Whether ``acc`` is in ``target``'s layout, shapes included."""
-  if jax.tree.structure(acc) != jax.tree.structure(target):  # type: ignore[operator]
-    return False
-  shapes = [np.shape(x) for x in jax.tree.leaves(acc)]
-  return shapes == [np.shape(x) for x in jax.tree.leaves(target)]
+
+  def shapes(tree: Any) -> Any:
+    return jax.tree.structure(tree), [np.shape(x) for x in jax.tree.leaves(tree)]
+
+  return shapes(acc) == shapes(target)
 
 
 def resume_target(state: MultiStepsState, saved: Any) -> MultiStepsState:
@@ -265,12 +269,12 @@ def _target(saved: Any, given: Any) -> Any:
     return jax.tree.map(zeros, shapes)
   if isinstance(given, StoredNode) and _paths(saved) == _paths(given):
     return jax.tree.map(zeros, given)
-  if _fields_of(saved, PerReplica, {"sums"}, frozenset({"axes"})):
-    n = int(np.shape(leaves(field(saved, "sums"))[0])[0])
+  if _fields_of(saved, PerReplica, {"sums"}, {"axes"}):
+    n = replicas(saved)
     stacked = jax.tree.map(lambda s: np.zeros((n, *s.shape), s.dtype), shapes)
     axes = given.axes if isinstance(given, PerReplica) else field(saved, "axes", ())
     return PerReplica(stacked, tuple(axes))
-  if _fields_of(saved, Packed, {"groups", "rest"}):
+  if _fields_of(saved, Packed, {"groups", "rest"}, set()):
     sizes = [int(np.prod(np.shape(g))) for g in leaves(field(saved, "groups"))]
     return _packed.restore_target(shapes, sizes)
   return jax.tree.map(zeros, shapes)
@@ -281,18 +285,13 @@ def _paths(tree: Any) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
   orbax's metadata of it (a dict for a ``NamedTuple`` or a dataclass)."""
 
   def name(key: Any) -> str:
-    for attr in ("key", "name", "idx"):
-      if hasattr(key, attr):
-        return str(getattr(key, attr))
-    return str(key)
+    return str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key))))
 
   flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_array)[0]
   return sorted((tuple(map(name, path)), np.shape(x)) for path, x in flat)
 
 
-def _fields_of(
-  saved: Any, node: type, fields: set[str], optional: frozenset[str] = frozenset()
-) -> bool:
+def _fields_of(saved: Any, node: type, fields: set[str], optional: set[str]) -> bool:
   """Whether a checkpoint's ``acc_grads`` is a ``node``: the node itself, or
   orbax's metadata of one (a dict of its data ``fields``, and of ``optional``
   ones, nothing else)."""
@@ -322,9 +321,10 @@ def zeros(shape: Any) -> np.ndarray:
   return np.zeros(np.shape(shape), shape.dtype)
 
 
-def replicas(acc: PerReplica) -> int:
-  """The number of replicas ``acc`` holds partial sums for."""
-  return int(np.shape(jax.tree.leaves(acc.sums)[0])[0])
+def replicas(acc: Any) -> int:
+  """The number of replicas ``acc`` (a :class:`PerReplica` or orbax's metadata of
+  one) holds partial sums for."""
+  return int(np.shape(leaves(field(acc, "sums"))[0])[0])
 
 
 def first_replica(total: jax.Array, n: int) -> jax.Array:
@@ -339,9 +339,7 @@ def _first_placed(total: Any, n: int, like: Any) -> Any:
   sharding = getattr(like, "sharding", None)
   total = jnp.asarray(total, like.dtype)
   if isinstance(sharding, NamedSharding):
-    inner = NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
-    like_one = jax.ShapeDtypeStruct(total.shape, total.dtype, sharding=inner)
-    return _first_replica(sharding)(_placement.placed_like(total, like_one), n)
+    return _first_replica(sharding)(_placement.placed_like(total, unstacked(like)), n)
   out = first_replica(total, n)
   return jax.device_put(out, sharding) if sharding is not None else out
 
@@ -351,6 +349,12 @@ def _first_replica(sharding: NamedSharding) -> Any:
   """:func:`first_replica` as a program whose result is placed as
   ``sharding``: each device computes its own slice, nothing moves."""
   return jax.jit(first_replica, static_argnums=1, out_shardings=sharding)
+
+
+def unstacked(x: Any) -> jax.ShapeDtypeStruct:
+  """``x``'s shape and dtype without its leading axis, split as on its others."""
+  sharding = NamedSharding(x.sharding.mesh, P(*x.sharding.spec[1:]))
+  return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=sharding)
 
 
 def _shape(x: Any, shape: Any = None) -> jax.ShapeDtypeStruct:
