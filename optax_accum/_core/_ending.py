@@ -92,10 +92,9 @@ def end(
     target = optax.apply_updates(target, new) if apply_to_params else new
     return target, inner, jnp.sqrt(squares)
 
-  if apply_to_params:
-    start = params
-  else:  # Zeros typed by once_if as the updates (a varying ``like`` would not do).
-    start = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)), like)
+  # Zeros typed by once_if as the updates (a varying ``like`` would not do).
+  zeros = lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x))  # noqa: E731
+  start = params if apply_to_params else jax.tree.map(zeros, like)
   carry = (start, added.inner_opt_state, jnp.zeros_like(squares))
   target, inner, norm = _backend.once_if(applies, update, carry)
   if config.noise_scale:  # Over a model axis' shards of the window's gradient.

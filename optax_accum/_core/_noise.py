@@ -71,8 +71,7 @@ def check_own(grads: Any, reduction: Any) -> None:
   over replicas by JAX already, or a partial sum of one."""
   for path, g in jax.tree_util.tree_leaves_with_path(grads):
     spec = getattr(jax.typeof(g).sharding, "spec", None)
-    summed = reduction.summed_already(g) or tuple(getattr(spec, "unreduced", ()))
-    if summed:
+    if summed := reduction.summed_already(g) or tuple(getattr(spec, "unreduced", ())):
       raise ValueError(
         f"`updates` leaf {jax.tree_util.keystr(path)} is summed over mesh axis "
         f"{summed[0]!r} already, so the noise scale cannot see each replica's "
@@ -133,9 +132,8 @@ def closed(
     grad_reduction: As ``MultiSteps`` takes it (shares of the window's mean
       are scaled by :math:`W^2` here).
   """
-  dtype = noise.acc_squares.dtype
+  k, dtype = noise.acc_units, noise.acc_squares.dtype
   squares, weight = squares.astype(dtype), weight.astype(dtype)
-  k = noise.acc_units
   w = jnp.where(weight > 0, weight, jnp.ones_like(weight))
   sums = noise.acc_squares * (w * w if grad_reduction == "window_mean" else 1)
   mean_square = sums / w  # A.

@@ -15,36 +15,36 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from optax_accum._core import _checks, _hyperparams, _noise, _window
-from optax_accum._core._state import (
-  WINDOW_MICRO_STEPS,
-  WINDOW_WEIGHT,
-  MultiStepsConfig,
-  MultiStepsState,
-)
+from optax_accum._core import _checks, _hyperparams, _noise, _state, _window
+from optax_accum._core._state import WINDOW_MICRO_STEPS, WINDOW_WEIGHT
+
+#: Short names for the signatures.
+Config = _state.MultiStepsConfig
+State = _state.MultiStepsState
 
 #: The states of optax's line searches, which pass extra arguments to ``value_fn``.
-_LINE_SEARCHES = (
-  optax.ScaleByZoomLinesearchState,
-  optax.ScaleByBacktrackingLinesearchState,
+_SEARCHES = (optax.ScaleByZoomLinesearchState, optax.ScaleByBacktrackingLinesearchState)
+
+#: What ``updates`` must match, as a mismatch's error names it.
+_ACC_NAME = (
+  "the accumulator (from init(params); a train step's state, per replica, goes "
+  "back to that step)"
 )
 
 
-def window_of(config: MultiStepsConfig, state: MultiStepsState) -> _window.Terms:
+def window_of(config: Config, state: State) -> _window.Terms:
   """The window in progress of a state, one window per loss term."""
   noise = state.noise_scale if config.noise_scale else None
   fields = (state.mini_step, state.acc_grads, state.acc_weight, state.acc_loss, noise)
   return _window.per_term_windows(_window.Window(*fields), config.terms)
 
 
-def empty_window(config: MultiStepsConfig, params: Any) -> _window.Terms:
+def empty_window(config: Config, params: Any) -> _window.Terms:
   """An empty window for ``params`` (sums in the accumulator dtype, a term each)."""
   return _window.empty(params, config.accumulator_dtype, config.terms)
 
 
-def with_window(
-  config: MultiStepsConfig, state: MultiStepsState, window: _window.Terms
-) -> MultiStepsState:
+def with_window(config: Config, state: State, window: _window.Terms) -> State:
   """``state`` holding ``window``; without noise measurements, keeps the state's."""
   fields = _window.as_state_fields(window, config.terms)._asdict()
   if fields["noise_scale"] is None:
@@ -53,12 +53,7 @@ def with_window(
 
 
 def _screened(
-  config: MultiStepsConfig,
-  state: MultiStepsState,
-  grads: Any,
-  weight: Any,
-  params: Any,
-  reduction: Any,
+  config: Config, state: State, grads: Any, weight: Any, params: Any, reduction: Any
 ) -> tuple[jax.Array, Any]:
   """Whether ``should_skip_update_fn`` lets the micro-batch count, and its state:
   it sees the micro-batch's gradient over all replicas as one device computes it
@@ -85,7 +80,7 @@ def _screened(
 
 
 def _whole_term(
-  config: MultiStepsConfig, grads: Any, weight: Any, dtype: Any, reduction: Any
+  config: Config, grads: Any, weight: Any, dtype: Any, reduction: Any
 ) -> Any:
   """One term's gradient over replicas, as :func:`_screened` shows it."""
   if config.grad_reduction != "mean":
@@ -113,26 +108,20 @@ def _mean_of(x: Any, w: jax.Array, total: jax.Array, reduction: Any) -> jax.Arra
 
 
 def add_micro_batch(
-  config: MultiStepsConfig,
-  state: MultiStepsState,
+  config: Config,
+  state: State,
   grads: Any,
   params: Any = None,
   *,
   weight: Any,
   loss: Any,
   reduction: Any,
-) -> tuple[MultiStepsState, jax.Array]:
+) -> tuple[State, jax.Array]:
   """``state`` with a micro-batch added (the window not ended), and whether it
   counts towards ``k``. With terms, values are by term (:func:`by_term`)."""
   if config.terms is not None:
     grads = by_term(config.terms, grads, "updates")
-  _checks.check_tree_matches(
-    grads,
-    state.acc_grads,
-    name="updates",
-    ref_name="the accumulator (from init(params); a train step's state, "
-    "per replica, goes back to that step)",
-  )
+  _checks.check_tree_matches(grads, state.acc_grads, name="updates", ref_name=_ACC_NAME)
   if config.noise_scale and not _noise.measures(state.noise_scale):
     raise ValueError(
       "This MultiSteps measures the noise scale (noise_scale=True) but `state` "
@@ -153,23 +142,21 @@ def add_micro_batch(
   dropped = kept[0].dropped  # By its weight or its values, in every term.
   if config.grad_reduction == "window_mean":  # Shares of the whole window's mean.
     window = _window.spoil(window, dropped)
+  seen = jnp.asarray(state.micro_batches_seen, jnp.int32)
   added = with_window(config, state, window)._replace(
     updated=jnp.zeros_like(state.updated),
     skipped_micro_batches=_count_if(dropped, state.skipped_micro_batches),
     skip_state=skip_state,
-    micro_batches_seen=optax.safe_increment(
-      jnp.asarray(state.micro_batches_seen, jnp.int32)
-    ),
+    micro_batches_seen=optax.safe_increment(seen),
   )
   return added, counted
 
 
 def _per_term(
-  config: MultiStepsConfig, grads: Any, weight: Any, loss: Any
+  config: Config, grads: Any, weight: Any, loss: Any
 ) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:
   """The micro-batch's grads (by term already), weight and loss, one per term."""
-  if config.terms is not None:
-    names = config.terms
+  if (names := config.terms) is not None:
     losses = (None,) * len(names) if loss is None else by_term(names, loss, "loss")
     return grads, by_term(names, weight, "weight"), losses
   if weight is None and config.grad_reduction == "sum":
@@ -205,10 +192,7 @@ def full(micro_steps: Any, k: Any) -> Any:
 
 
 def window_ends(
-  config: MultiStepsConfig,
-  added: MultiStepsState,
-  counted: ArrayLike,
-  end_window: ArrayLike | None = None,
+  config: Config, added: State, counted: ArrayLike, end_window: ArrayLike | None = None
 ) -> jax.Array:
   """Whether the micro-batch just added ends the window."""
   ends = jnp.asarray(counted) & full(added.mini_step, config.k_at(added.gradient_step))
@@ -218,10 +202,10 @@ def window_ends(
 
 
 def run_inner(
-  config: MultiStepsConfig,
+  config: Config,
   opt: optax.GradientTransformationExtraArgs,
   grads: Any,
-  added: MultiStepsState,
+  added: State,
   params: Any,
   extra_args: dict[str, Any],
 ) -> tuple[Any, Any]:
@@ -229,19 +213,17 @@ def run_inner(
   the window's totals go as extra arguments, except to a line search, which would
   hand them on to a ``value_fn`` that does not take them."""
   inner_state = added.inner_opt_state
-  if not _hyperparams.find_states(inner_state, _LINE_SEARCHES):
+  if not _hyperparams.find_states(inner_state, _SEARCHES):
     weight, steps = _window.weight(window_of(config, added)), added.mini_step
     extra_args = {**extra_args, WINDOW_WEIGHT: weight, WINDOW_MICRO_STEPS: steps}
   updates, inner = opt.update(grads, inner_state, params, **extra_args)
-  inner = jax.tree.map(
-    lambda new, old: jnp.asarray(new).astype(jnp.result_type(old)), inner, inner_state
-  )
-  return updates, inner
+  cast = lambda new, old: jnp.asarray(new).astype(jnp.result_type(old))  # noqa: E731
+  return updates, jax.tree.map(cast, inner, inner_state)
 
 
 def closed(
-  config: MultiStepsConfig,
-  added: MultiStepsState,
+  config: Config,
+  added: State,
   ends: jax.Array,
   nonfinite: jax.Array,
   applies: jax.Array,
@@ -249,7 +231,7 @@ def closed(
   *,
   divided_loss: jax.Array,
   squares: jax.Array,
-) -> MultiStepsState:
+) -> State:
   """The state after the window's end (where ``ends``); ``divided_loss`` is its
   :meth:`MultiSteps.window_loss`, ``squares`` its gradient's squared norm."""
   window = window_of(config, added)

@@ -100,10 +100,11 @@ def _wider(a: DTypeLike, b: DTypeLike) -> Any:
 
 def _empty(params: Any, dtype: DTypeLike | None = None) -> Window:
   """An empty window for ``params``; the accumulator is sharded like them."""
-  acc = jax.tree.map(
-    lambda p: jnp.zeros_like(p, dtype=accumulator_dtype(jnp.result_type(p), dtype)),
-    params,
-  )
+
+  def zeros(p: Any) -> jax.Array:
+    return jnp.zeros_like(p, dtype=accumulator_dtype(jnp.result_type(p), dtype))
+
+  acc = jax.tree.map(zeros, params)
   dtypes = [a.dtype for a in jax.tree.leaves(acc)]
   floats = [d for d in dtypes if jnp.issubdtype(d, jnp.floating)]
   wide = functools.reduce(_wider, floats, jnp.float32)
@@ -114,10 +115,8 @@ def _empty(params: Any, dtype: DTypeLike | None = None) -> Window:
 
 def all_finite(*trees: Any) -> jax.Array:
   """Whether every element of every leaf is finite (a bool scalar)."""
-  finite = jnp.array(True)
-  for leaf in jax.tree.leaves(trees):
-    finite = finite & jnp.all(jnp.isfinite(leaf))
-  return finite
+  each = (jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(trees))
+  return functools.reduce(jnp.logical_and, each, jnp.array(True))
 
 
 def _zeroed(where: ArrayLike, x: jax.Array) -> jax.Array:
@@ -129,8 +128,7 @@ def _times(x: jax.Array, factor: jax.Array) -> jax.Array:
   """``x * factor`` for a replicated scalar ``factor``; for ``unreduced`` partial
   sums ``factor`` is typed ``reduced`` over the same axes, which moves nothing."""
   sharding = jax.typeof(x).sharding
-  axes = getattr(getattr(sharding, "spec", None), "unreduced", ())
-  if axes:
+  if axes := getattr(getattr(sharding, "spec", None), "unreduced", ()):
     factor = jax.reshard(factor, NamedSharding(sharding.mesh, P(reduced=set(axes))))
   return x * factor
 
@@ -202,8 +200,7 @@ def _gradient(window: Window, like: Any, divide: bool = True) -> Any:
   """The window's sum times ``1 / weight`` (if ``divide``), in ``like``'s dtypes:
   a product with the reciprocal (within 1 ulp of the quotient), which XLA fuses
   into the optimizer's ops where a quotient gets a buffer."""
-  weight = window.acc_weight
-  inverse = 1 / (weight if divide else jnp.ones_like(weight))
+  inverse = 1 / (window.acc_weight if divide else jnp.ones_like(window.acc_weight))
 
   def leaf(acc: jax.Array, like: Any) -> jax.Array:
     dtype = _wider(acc.dtype, inverse.dtype)
@@ -329,12 +326,12 @@ def gradient(window: Terms, like: Any, divide: bool = True) -> Any:
   weight 0 adds nothing."""
   if len(window) == 1:
     return _gradient(window[0], like, divide)
-  total = None
-  for part in window:
+
+  def term(part: Window) -> Any:
     some, grad = part.acc_weight > 0, _gradient(part, like, divide)
-    grad = jax.tree.map(lambda g, s=some: jnp.where(s, g, jnp.zeros_like(g)), grad)
-    total = grad if total is None else jax.tree.map(jnp.add, total, grad)
-  return total
+    return jax.tree.map(lambda g: jnp.where(some, g, jnp.zeros_like(g)), grad)
+
+  return functools.reduce(functools.partial(jax.tree.map, jnp.add), map(term, window))
 
 
 def squares(
