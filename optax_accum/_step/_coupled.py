@@ -183,14 +183,6 @@ def coupled_optimizer(coupled: CoupledLoss, optimizer: MultiSteps) -> MultiSteps
   return optimizer.replace(terms=coupled.terms)
 
 
-def check_coupled(has_aux: bool) -> None:
-  """``ValueError`` for a train step's settings a :class:`CoupledLoss` cannot take."""
-  if has_aux:
-    raise ValueError(
-      "A CoupledLoss takes no has_aux: its window loss returns (loss, weight)."
-    )
-
-
 class CoupledStep:
   """A train step on a :class:`CoupledLoss`: pass 1, then a scan-mode step on the
   surrogate, in one program. Streaming, each call but a window's last puts a

@@ -21,8 +21,6 @@ from optax_accum._core._state import MultiStepsState, check_not_holding
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_DONATED = ("deleted", "donated")
-
 
 def explained(call: F) -> F:
   """``call`` (a step's ``__call__``) re-raising known failures as clear errors."""
@@ -35,7 +33,7 @@ def explained(call: F) -> F:
       return call(self, params, opt_state, batch, *args, **kw)
     except (RuntimeError, TypeError, ValueError) as e:
       check_not_a_train_state(params)
-      if any(word in str(e) for word in _DONATED):
+      if any(word in str(e) for word in ("deleted", "donated")):
         check_not_donated(params=params, opt_state=opt_state, batch=batch)
       raise
 

@@ -14,20 +14,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_accum._core import _checks
-from optax_accum._core._multi_steps import MultiSteps, MultiStepsState
+from optax_accum._core._multi_steps import MultiSteps
 from optax_accum._core._placement import as_returned, mesh_of, traced
 from optax_accum._layouts import (
   ONE_SUM,
   Layout,
   choose_leaves,
   for_call,
-  for_init,
   inside,
   kept,
   micro_batch_like,
   per_replica_like,
 )
-from optax_accum._step._programs import Bodies, Inputs, Pair, counters, programs
+from optax_accum._step._programs import Bodies, Inputs, Pair, State, counters, programs
 
 
 class Layouts:
@@ -38,44 +37,37 @@ class Layouts:
     self.bodies = bodies
     self.scan = mode == "scan"
     self.donate = donate
+    self._replica_axes = _checks.axes(bodies.config.axis_name)  # () for none.
     self._built: dict[Layout, Pair] = {}
     self._chosen: dict[Any, Layout] = {}
 
   def arranged(
-    self,
-    params: Any,
-    opt_state: MultiStepsState,
-    batch: Any,
-    rng: Any = None,
-    *,
-    keep: bool = True,
-  ) -> tuple[Any, MultiStepsState, Layout]:
-    """Params, ``opt_state`` in the call's layout and placed as the programs
+    self, params: Any, state: State, batch: Any, rng: Any = None, keep: bool = True
+  ) -> tuple[Any, State, Layout]:
+    """Params, ``state`` in the call's layout and placed as the programs
     return them, and that layout: the state's own where it keeps one
     (``keep``: one sum stays one sum, on any devices; ``_layouts.kept``), else
     the call's devices' (``_layouts.for_call``; one sum if traced: its result
     goes back to the given layout, ``_layouts.carried``). With ``axis_name``
     under plain ``jit`` the programs run in a ``shard_map``, which takes only
     per-replica partial sums."""
-    in_trace = traced(params, opt_state, batch)
-    layout = kept(opt_state.acc_grads) if keep else None
+    in_trace = traced(params, state, batch)
+    layout = kept(state.acc_grads) if keep else None
     if not in_trace and (layout is None or self._replica_axes):
-      layout = self._data_layout(params, opt_state, batch, rng)
+      layout = self._data_layout(params, state, batch, rng)
     layout = layout or ONE_SUM
-    opt_state = self.lay_out(opt_state, layout, params)
+    state = self.lay_out(state, layout, params)
     if in_trace:
-      return params, opt_state, layout
-    return (*as_returned((params, opt_state), (params, batch)), layout)
+      return params, state, layout
+    return (*as_returned((params, state), (params, batch)), layout)
 
-  def lay_out(
-    self, opt_state: MultiStepsState, layout: Layout, params: Any = None
-  ) -> MultiStepsState:
-    """``opt_state`` with its accumulator in ``layout`` (kept if it is)."""
-    acc = layout.store(opt_state.acc_grads, params, self.bodies.config.terms)
-    return opt_state._replace(acc_grads=acc)
+  def lay_out(self, state: State, layout: Layout, params: Any = None) -> State:
+    """``state`` with its accumulator in ``layout`` (kept if it is)."""
+    acc = layout.store(state.acc_grads, params, self.bodies.config.terms)
+    return state._replace(acc_grads=acc)
 
   def _data_layout(
-    self, params: Any, opt_state: MultiStepsState, batch: Any, rng: Any
+    self, params: Any, opt_state: State, batch: Any, rng: Any
   ) -> Layout | None:
     """The per-replica layout of a call on a mesh, if it has one; a deferred
     one's leaves chosen once per avals."""
@@ -102,20 +94,10 @@ class Layouts:
 
     return for_call(params, batch, config, scan=self.scan, choose=choose)
 
-  def for_init(self, params: Any) -> Layout:
-    """``step.init``'s layout (``_layouts.for_init``)."""
-    return for_init(params, self.bodies.config)
-
   def on_one_sum(self, params: Any, inner: Any, batch: Any) -> bool:
     """Whether an empty-window call runs on one sum: traced or no mesh."""
-    if traced(params, inner, batch):
-      return True
-    return mesh_of(params, batch) is None and not self._replica_axes
-
-  @property
-  def _replica_axes(self) -> tuple[str, ...]:
-    """The step's ``axis_name`` as a tuple (``()`` for none)."""
-    return _checks.axes(self.bodies.config.axis_name)
+    in_trace = traced(params, inner, batch)
+    return in_trace or (mesh_of(params, batch) is None and not self._replica_axes)
 
   def programs(self, layout: Layout) -> Pair:
     """The accumulate and update programs for one accumulator layout."""
@@ -155,7 +137,7 @@ class Known(NamedTuple):
   layout: Layout = ONE_SUM  # The layout of the state returned.
   acc: Any = None  # The returned state's accumulator node, compared by identity.
 
-  def returned(self, state: MultiStepsState) -> bool:
+  def returned(self, state: State) -> bool:
     """Whether ``state`` is the one returned last: its very counter and acc objects."""
     return (
       state.mini_step is self.mini_step
@@ -163,7 +145,7 @@ class Known(NamedTuple):
       and state.acc_grads is self.acc
     )
 
-  def counts(self, state: MultiStepsState, optimizer: MultiSteps) -> tuple[int, int]:
+  def counts(self, state: State, optimizer: MultiSteps) -> tuple[int, int]:
     """The window's micro-batches so far and length, read from ``state`` if unknown."""
     value = _host_int(state.mini_step) if self.value is None else self.value
     k = self.k if self.k is not None else optimizer.config.constant_k

@@ -18,27 +18,11 @@ from optax_accum._core._placement import as_returned, mesh_of, traced
 from optax_accum._core._reduction import AxisName
 from optax_accum._core._state import check_single_accumulation
 from optax_accum._core._transitions import empty_window, full, with_window
-from optax_accum._layouts import ONE_SUM, Layout, carried
-from optax_accum._step._coupled import CoupledLoss, CoupledStep, check_coupled
-from optax_accum._step._errors import (
-  check_counts_keys,
-  check_end_window,
-  check_restored,
-  check_state,
-  explained,
-)
+from optax_accum._layouts import ONE_SUM, Layout, carried, for_init
+from optax_accum._step import _errors, _programs
+from optax_accum._step._coupled import CoupledLoss, CoupledStep
 from optax_accum._step._host import UNKNOWN, Known, Layouts, avals
-from optax_accum._step._programs import (
-  Bodies,
-  Metrics,
-  Outputs,
-  TwoPrograms,
-  counters,
-  learning_rate,
-  metrics,
-  run,
-  select,
-)
+from optax_accum._step._programs import Bodies, Metrics, TwoPrograms
 
 Mode = Literal["stream", "scan"]
 StepOutput = tuple[optax.Params, MultiStepsState, Metrics]
@@ -94,11 +78,8 @@ class TrainStep:
     has_aux: bool,
     donate: bool,
   ):
-    self.loss_fn = loss_fn
-    self.optimizer = optimizer
-    self.mode = mode
-    self.has_aux = has_aux
-    self.donate = donate
+    self.loss_fn, self.optimizer, self.mode = loss_fn, optimizer, mode
+    self.has_aux, self.donate = has_aux, donate
     policy = _reduction.policy(optimizer.config.axis_name)
     self._bodies = Bodies(loss_fn, optimizer, has_aux, policy)
     self._layouts = Layouts(self._bodies, mode, donate)
@@ -109,7 +90,7 @@ class TrainStep:
     # state's structure and the counters of an empty window.
     self._empty: dict[Any, tuple[Any, MultiStepsState]] = {}
 
-  @explained
+  @_errors.explained
   def __call__(
     self,
     params: optax.Params,
@@ -130,11 +111,11 @@ class TrainStep:
     state put into an empty window, a state the step did not return laid out
     again and placed (``Layouts.arranged``); the one it returned last runs as it
     came back, without a tree walk."""
-    check_end_window(end_window, scan=self.mode == "scan")
+    _errors.check_end_window(end_window, scan=self.mode == "scan")
     end_window = None if self.mode == "scan" else end_window
     if self.mode == "scan" and not isinstance(opt_state, MultiStepsState):
-      check_restored(opt_state)
-      check_counts_keys(opt_state, rng)
+      _errors.check_restored(opt_state)
+      _errors.check_counts_keys(opt_state, rng)
       # One sum: its sums only inside the program (none in the state); else the
       # step chooses the layout for the call's devices.
       one_sum = self._layouts.on_one_sum(params, opt_state, batch)
@@ -143,9 +124,9 @@ class TrainStep:
         params, state, batch, rng, keep=one_sum
       )
       return Call(params, state, batch, rng, None, layout, own=True, inner_count=count)
-    check_state(opt_state)
-    counts = (opt_state.mini_step, opt_state.gradient_step, end_window)
-    in_trace = traced(*counts)  # No walk of the state's tree.
+    _errors.check_state(opt_state)
+    # No walk of the state's tree.
+    in_trace = traced(opt_state.mini_step, opt_state.gradient_step, end_window)
     known, given = None if in_trace else self._known, opt_state.acc_grads
     if known is not None and known.returned(opt_state):
       fresh = ("accumulate", "update") if params is known.params else ("accumulate",)
@@ -166,40 +147,36 @@ class TrainStep:
     if bool(call.end_window) or full(value + 1, k):  # With this micro-batch.
       return "update", known._replace(value=value, k=k)
     lr = known.learning_rate
-    lr = jax.tree.map(jnp.copy, learning_rate(call.state)) if lr is UNKNOWN else lr
+    if lr is UNKNOWN:
+      lr = jax.tree.map(jnp.copy, _programs.learning_rate(call.state))
     return "accumulate", known._replace(value=value, k=k, learning_rate=lr)
 
   def _run(self, call: Call, name: ProgramName, known: Known | None) -> StepOutput:
-    """Runs the call's program ``name``: its params, state and metrics."""
+    """Runs the call's program ``name``: its params, state and metrics (with
+    ``aux`` where ``loss_fn`` has one)."""
     unalias = self.donate and name not in call.fresh
     pair = self._layouts.programs(call.layout)
-    params, state, out = run(pair, name, call, unalias)
-    if name == "update":
-      return params, state, self._metrics(out)
-    # The counters are never donated: the metrics can share them.
-    loss, grad_norm = out.metrics["loss"], out.metrics["grad_norm"]
-    lr = None if known is None else known.learning_rate
-    metrics_ = metrics(self._bodies.config, state, state, loss, grad_norm, lr)
-    return params, state, self._metrics(out._replace(metrics=metrics_))
-
-  def _metrics(self, out: Outputs) -> Metrics:
-    """The program's metrics, with ``aux`` where ``loss_fn`` has one."""
-    return {**out.metrics, "aux": out.aux} if self.has_aux else out.metrics
+    params, state, out = _programs.run(pair, name, call, unalias)
+    metrics = out.metrics
+    if name != "update":  # The counters are never donated: the metrics share them.
+      loss, norm = metrics["loss"], metrics["grad_norm"]
+      lr = None if known is None else known.learning_rate
+      metrics = _programs.metrics(self._bodies.config, state, state, loss, norm, lr)
+    return params, state, {**metrics, "aux": out.aux} if self.has_aux else metrics
 
   def _returned(
     self, call: Call, out: StepOutput, name: ProgramName, known: Known | None
   ) -> StepOutput:
     """What the call returns; keeps what the host knows of the returned state."""
-    params, state, metrics_ = out
+    params, state, metrics = out
     if call.own:  # The optimizer's own state comes back as such.
       if call.inner_count is None:  # Nothing counts updates: no metric, not 1 a window.
-        metrics_.pop("update_count")
-      return params, state.inner_opt_state, metrics_
+        metrics.pop("update_count")
+      return params, state.inner_opt_state, metrics
     if traced(state.mini_step):  # The layout it was given.
-      return params, carried(state, call.given), metrics_
+      return params, carried(state, call.given), metrics
     if known is not None:
-      ends = name == "update"
-      config = self.optimizer.config
+      ends, config = name == "update", self.optimizer.config
       value = 0 if ends else (known.value or 0) + 1
       self._known = Known(
         state.mini_step,
@@ -207,7 +184,7 @@ class TrainStep:
         value if config.counts_every_micro_batch else None,
         None if ends and config.constant_k is None else known.k,
         params if ends else known.params,
-        metrics_.get("learning_rate") if ends else known.learning_rate,
+        metrics.get("learning_rate") if ends else known.learning_rate,
         known.layout,
         state.acc_grads,
       )
@@ -220,21 +197,20 @@ class TrainStep:
     key = avals(params)
     if key not in self._empty:
       inner_shapes = jax.eval_shape(self.optimizer.inner_opt.init, params)
-      shapes = counters(jax.eval_shape(self.optimizer.init, params))
+      shapes = _programs.counters(jax.eval_shape(self.optimizer.init, params))
       with jax.ensure_compile_time_eval():  # Arrays, even in the user's jit.
         empty = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
       self._empty[key] = jax.tree.structure(inner_shapes), empty
     expected, state = self._empty[key]  # Counters: read, never donated.
     if jax.tree.structure(inner) != expected:
-      check_state(inner)  # Raises: neither a MultiStepsState nor the inner one.
+      _errors.check_state(inner)  # Raises: neither a MultiStepsState nor the inner one.
     check_single_accumulation(inner)
     if sums:
       config = self.optimizer.config
       state = with_window(config, state, empty_window(config, params))
-    count = _update_count(inner)
-    if count is not None:  # The inner state's own count, as the metric's.
-      state = state._replace(gradient_step=count)
-    return state._replace(inner_opt_state=inner), count
+    count = _update_count(inner)  # The inner state's own, as the metric's.
+    step = state.gradient_step if count is None else count
+    return state._replace(gradient_step=step, inner_opt_state=inner), count
 
   def init(self, params: optax.Params) -> MultiStepsState:
     """The optimizer state to start a run from: ``self.optimizer.init(params)``
@@ -248,7 +224,7 @@ class TrainStep:
     state = self.optimizer.init(params)
     if mesh_of(params) is not None:  # Counters placed as the programs return them.
       state = as_returned(state, params)
-    return self._layouts.lay_out(state, self._layouts.for_init(params), params)
+    return self._layouts.lay_out(state, for_init(params, self._bodies.config), params)
 
   def lower(
     self,
@@ -276,19 +252,18 @@ class TrainStep:
         f"'ending'; got {program!r}."
       )
     call = self._prepared(params, opt_state, batch, rng, False)
-    lowered, inputs = select(self._layouts.programs(call.layout), program, call)
+    pair = self._layouts.programs(call.layout)
+    lowered, inputs = _programs.select(pair, program, call)
     return lowered.lower(inputs)
 
 
 def _with_axis_name(optimizer: MultiSteps, axis_name: AxisName | None) -> MultiSteps:
   """``optimizer`` summing over ``axis_name`` (which must agree with its own)."""
-  if axis_name is None:
-    return optimizer
-  if optimizer.axis_name not in (None, axis_name):
+  if axis_name is not None and optimizer.axis_name not in (None, axis_name):
     raise ValueError(
       f"`axis_name` {axis_name!r} differs from the optimizer's {optimizer.axis_name!r}."
     )
-  return optimizer.replace(axis_name=axis_name)
+  return optimizer if axis_name is None else optimizer.replace(axis_name=axis_name)
 
 
 #: Optax states that count the updates applied, in order of preference.
@@ -302,13 +277,11 @@ _COUNTING = (
 
 def _update_count(inner: Any) -> jax.Array | None:
   """The update count an inner optimizer's state keeps, if any (int32)."""
-  for kind in _COUNTING:
-    found = find_states(inner, (kind,))
-    if found:  # Shapes only (``lower``): the empty window's counter stands in.
-      count = found[0].count
-      shapes = isinstance(count, jax.ShapeDtypeStruct)
-      return None if shapes else jnp.asarray(count, jnp.int32)
-  return None
+  first = next((s for kind in _COUNTING for s in find_states(inner, (kind,))), None)
+  # Shapes only (``lower``): the empty window's counter stands in.
+  if first is None or isinstance(first.count, jax.ShapeDtypeStruct):
+    return None
+  return jnp.asarray(first.count, jnp.int32)
 
 
 def _accumulator(
@@ -454,7 +427,10 @@ def make_train_step(
   _checks.one_of(mode, ("stream", "scan"), name="mode")
   acc = _with_axis_name(_accumulator(optimizer, mode, every_k_schedule), axis_name)
   if isinstance(loss_fn, CoupledLoss):
-    check_coupled(has_aux)
+    if has_aux:
+      raise ValueError(
+        "A CoupledLoss takes no has_aux: its window loss returns (loss, weight)."
+      )
     build = lambda f, opt: TrainStep(f, opt, "scan", False, donate)  # noqa: E731
     return CoupledStep(loss_fn, acc, build, mode, donate)
   _checks.callable_arg(loss_fn, name="loss_fn")
