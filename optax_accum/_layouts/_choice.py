@@ -49,11 +49,11 @@ def for_init(params: Any, config: MultiStepsConfig) -> Layout:
   mesh = _placement.mesh_of(params)
   if mesh is None:
     return ONE_SUM
-  split = _split(params)
+  taken = _param_axes(params)
   axes = _axes(config.axis_name)
   if axes:
-    return ONE_SUM if split & set(axes) else per_replica(mesh, axes)
-  free = tuple(a for a in mesh.explicit_axes if a not in split)
+    return ONE_SUM if taken & set(axes) else per_replica(mesh, axes)
+  free = tuple(a for a in mesh.explicit_axes if a not in taken)
   if not defers(config) or replica_count(mesh, free) <= 1:
     return ONE_SUM
   return deferred(mesh, free, (False,) * len(jax.tree.leaves(params)))
@@ -75,7 +75,7 @@ def for_call(
   if axes:
     for path, sharding in rows:
       if (got := _rows(sharding, dim)) != axes:
-        raise ValueError(_not_split(config.axis_name, path, got, scan))
+        raise ValueError(_unsplit_rows(config.axis_name, path, got, scan))
     if len(found) != 1:
       raise ValueError(f"The batch's leaves lie on {len(found)} different meshes.")
     for path, param in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -92,7 +92,7 @@ def for_call(
   shardings = [getattr(p, "sharding", None) for p in jax.tree.leaves(params)]
   if not all(isinstance(s, NamedSharding) and s.mesh == mesh for s in shardings):
     return None
-  if _split(params) & set(axes):
+  if _param_axes(params) & set(axes):
     return None  # FSDP's gradients are reduce-scattered.
   return choose(mesh, axes)
 
@@ -110,12 +110,12 @@ def _rows(sharding: Any, dim: int) -> tuple[str, ...]:
   return _axes(sharding.spec[dim])
 
 
-def _split(params: Any) -> set[str]:
+def _param_axes(params: Any) -> set[str]:
   """The mesh axes any param is split over."""
   return {a for p in jax.tree.leaves(params) for a in _placement.axes_of(p)}
 
 
-def _not_split(axis_name: Any, path: Any, got: tuple[str, ...], scan: bool) -> str:
+def _unsplit_rows(axis_name: Any, path: Any, got: tuple[str, ...], scan: bool) -> str:
   return (
     f"`axis_name` {axis_name!r} outside shard_map: the step sums each "
     "replica's gradient once per window, so every batch leaf must be a "
