@@ -2,7 +2,7 @@
 
 The maths is the same on every backend; what differs is how XLA runs control
 flow (:func:`once_if`, called by the programs) and what a buffer or a dispatch
-costs the host (:class:`Backend`, from :func:`of` and :func:`platform_of`).
+costs the host (:class:`Backend`, from :func:`for_platform` and :func:`platform_of`).
 
 Examples:
   >>> for_platform("cpu").groups_norm, for_platform("cuda").groups_norm
@@ -97,11 +97,9 @@ def overridden(platform: str, **choices: Any) -> Iterator[None]:
 
 
 def platform_of(tree: Any) -> str:
-  """The platform of ``tree``'s first committed array, else JAX's default."""
-  for x in jax.tree.leaves(tree):
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-      return next(iter(x.devices())).platform
-  return jax.default_backend()
+  """The platform of ``tree``'s first concrete array, else JAX's default."""
+  arrays = [x for x in jax.tree.leaves(tree) if _placement.concrete(x)]
+  return next(iter(arrays[0].devices())).platform if arrays else jax.default_backend()
 
 
 def consecutive(
@@ -124,9 +122,8 @@ def consecutive(
     full = max_leaves is not None and len(groups[-1]) >= max_leaves
     if groups[-1] and (size + n > max_size or full):
       groups.append([])
-      size = 0
+    size = size + n if groups[-1] else n  # The group's elements, with leaf i.
     groups[-1].append(i)
-    size += n
   return [tuple(g) for g in groups]
 
 
@@ -178,12 +175,8 @@ def once_if(pred: jax.Array, fn: Callable[[Any], Any], init: Any) -> Any:
     >>> float(once_if(jnp.array(True), lambda x: x + 1, jnp.array(1.0)))
     2.0
   """
-
-  def typed(x: Any, like: Any) -> Any:
-    return _placement.typed_like(jnp.asarray(x).astype(like.dtype), like)
-
   fn = jax.jit(fn)  # Traced once: for its types, then for each backend's form.
-  init = jax.tree.map(typed, init, jax.eval_shape(fn, init))
+  init = jax.tree.map(_placement.typed_like, init, jax.eval_shape(fn, init))
 
   def cond(p: jax.Array, i: Any) -> Any:
     return jax.lax.cond(p, fn, lambda x: x, i)
@@ -227,6 +220,5 @@ def compiled_with(options: dict[str, Any] | None) -> Iterator[None]:
     _OPTIONS.reset(token)
 
 
-def compiler_options() -> dict[str, Any] | None:
-  """The options of the enclosing :func:`compiled_with` block, if any."""
-  return _OPTIONS.get()
+#: The options of the enclosing :func:`compiled_with` block, if any.
+compiler_options = _OPTIONS.get

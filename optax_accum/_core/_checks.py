@@ -129,8 +129,7 @@ def check_trainable_leaves(tree: Any, *, name: str) -> None:
 
 
 def _is_prng_key(leaf: Any) -> bool:
-  dtype = getattr(leaf, "dtype", None)
-  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+  return jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key)
 
 
 def describe_output(value: Any) -> str:
@@ -159,8 +158,7 @@ def describe_output(value: Any) -> str:
 def batch_leaves(batch: Any) -> list[tuple[Any, Any]]:
   """``batch``'s leaves with their paths; ``ValueError`` unless it has leaves
   and all share one leading (batch) axis."""
-  leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
-  if not leaves:
+  if not (leaves := jax.tree_util.tree_flatten_with_path(batch)[0]):
     raise ValueError("`batch` has no arrays.")
   first_path, first = leaves[0]
   for path, leaf in leaves:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -17,21 +18,19 @@ def find_states(state: Any, types: tuple[type, ...]) -> list[Any]:
   return [node for node in nodes if isinstance(node, types)]
 
 
-def _injected(state: Any, groups: str = "") -> list[tuple[str, str, Any]]:
+def _injected(state: Any, groups: str = "") -> Iterator[tuple[str, str, Any]]:
   """``(short, full, node)`` for each injected-hyperparams state in tree order:
   ``short`` its ``multi_transform`` groups (``"encoder/attention"``; outside
   any, its path), ``full`` the groups, then its path in the innermost group."""
   types = (*_INJECTED, optax.MultiTransformState)
   leaves = jax.tree.leaves_with_path(state, is_leaf=lambda x: isinstance(x, types))
-  found: list[tuple[str, str, Any]] = []
   for path, node in leaves:
     if isinstance(node, optax.MultiTransformState):
       for group, inner in node.inner_states.items():
-        found += _injected(inner, f"{groups}/{group}" if groups else str(group))
+        yield from _injected(inner, f"{groups}/{group}" if groups else str(group))
     elif isinstance(node, _INJECTED):
       where = jax.tree_util.keystr(path)
-      found.append((groups or where, groups + where, node))
-  return found
+      yield groups or where, groups + where, node
 
 
 def get_hyperparams(opt_state: optax.OptState) -> dict[str, Any]:
@@ -79,8 +78,7 @@ def get_hyperparams(opt_state: optax.OptState) -> dict[str, Any]:
     >>> {group: round(float(value), 6) for group, value in lr["learning_rate"].items()}
     {'body': 0.01, 'head': 0.5}
   """
-  found = _injected(opt_state)
-  if not found:
+  if not (found := list(_injected(opt_state))):
     raise ValueError(
       "No hyperparameters in this optimizer state: wrap the optimizer in "
       "optax.inject_hyperparams to make its learning rate visible."

@@ -9,7 +9,6 @@ sums, ``sum_i w_i v_i`` and ``sum_i w_i``, with ``MultiSteps``' weight policy.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -118,20 +117,18 @@ def _check_weight(weight: Any) -> None:
   """Raises ``ValueError`` unless ``weight`` is one scalar: a tree or an array
   there is most often the gradient of ``(loss, grads)``, returned unweighted."""
   leaves = jax.tree_util.tree_flatten_with_path(weight)[0]
-  if not (len(leaves) == 1 and not leaves[0][0]):
+  if len(leaves) == 1 and not leaves[0][0]:
+    if np.shape(weight) == ():
+      return
+    got = f"shape {np.shape(weight)} as the output's second element: a gradient?"
+  else:
     shapes = [f"{jax.tree_util.keystr(path)} {np.shape(x)}" for path, x in leaves]
-    got = f"leaves {', '.join(shapes[:4])}{', ...' if len(shapes) > 4 else ''}"
-    raise ValueError(
-      "weighted_mean_accumulator: `weight` must be a scalar, got a tree with "
-      f"{got if leaves else 'no leaves'} as the output's second element: "
-      f"gradients? {_EXPECTED}"
-    )
-  if np.shape(weight) != ():
-    raise ValueError(
-      "weighted_mean_accumulator: `weight` must be a scalar, got shape "
-      f"{np.shape(weight)} as the output's second element: a gradient? "
-      f"{_EXPECTED}"
-    )
+    more = ", ..." if len(shapes) > 4 else ""
+    listed = f"leaves {', '.join(shapes[:4])}{more}" if leaves else "no leaves"
+    got = f"a tree with {listed} as the output's second element: gradients?"
+  raise ValueError(
+    f"weighted_mean_accumulator: `weight` must be a scalar, got {got} {_EXPECTED}"
+  )
 
 
 def _check_floating(value: Any) -> None:
@@ -139,12 +136,11 @@ def _check_floating(value: Any) -> None:
   for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
     if not jnp.issubdtype(leaf.dtype, jnp.inexact):
       raise ValueError(
-        f"weighted_mean_accumulator: value leaf {jax.tree_util.keystr(path)} "
-        f"has dtype {leaf.dtype}; a weighted mean needs floating-point leaves. "
-        "Give integer outputs their own accumulator (a tree such as "
-        "(weighted_mean_accumulator(), AccumulationType.SUM)); for "
-        "jax.value_and_grad(..., has_aux=True) output, ((loss, weight), grads), "
-        "return ((loss, grads), weight)."
+        f"weighted_mean_accumulator: value leaf {jax.tree_util.keystr(path)} has dtype "
+        f"{leaf.dtype}; a weighted mean needs floating-point leaves. Give integer "
+        "outputs their own accumulator (a tree such as (weighted_mean_accumulator(), "
+        "AccumulationType.SUM)); for jax.value_and_grad(..., has_aux=True) output, "
+        "((loss, weight), grads), return ((loss, grads), weight)."
       )
 
 
@@ -196,4 +192,4 @@ def _aggregate(rows: Any) -> tuple[Any, jax.Array]:
   row_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), rows)
   empty = _init(row_like)
   per_row = jax.vmap(lambda row: _update(empty, row, 0))(rows)
-  return _finalize(jax.tree.map(functools.partial(jnp.sum, axis=0), per_row))
+  return _finalize(jax.tree.map(lambda x: jnp.sum(x, axis=0), per_row))

@@ -16,22 +16,19 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum._core._checks import axes as _axes
-from optax_accum._core._reduction import varying_over
+from optax_accum._core import _checks, _reduction
 
 
 def traced(*trees: Any) -> bool:
   """Whether any leaf of ``trees`` is a tracer. An argument that is a bool or
   an array is its own leaf: a step's per-call probes walk no tree."""
-  walk = []
+  tracer, walk = jax.core.Tracer, []
   for tree in trees:
-    if isinstance(tree, jax.core.Tracer):
+    if isinstance(tree, tracer):
       return True
-    if not (isinstance(tree, bool) or isinstance(tree, jax.Array)):
+    if not isinstance(tree, (bool, jax.Array)):
       walk.append(tree)
-  return bool(walk) and any(
-    isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(walk)
-  )
+  return bool(walk) and any(isinstance(x, tracer) for x in jax.tree.leaves(walk))
 
 
 def devices(tree: Any) -> int:
@@ -54,18 +51,19 @@ def committed(tree: Any, inputs: Any) -> Any:
   """``tree``'s arrays committed to the one device of ``inputs``' first committed
   array (``jax.device_put(params, device)``), as a jitted step returns them:
   else the step compiles again for what its first call returns. No copies."""
-  arrays = (x for x in jax.tree.leaves(inputs) if _concrete(x))
+  arrays = (x for x in jax.tree.leaves(inputs) if concrete(x))
   first = next((x for x in arrays if x.committed), None)
   if first is None or len(first.devices()) != 1:
     return tree
 
   def commit(x: Any) -> Any:
-    return jax.device_put(x, first.sharding) if _concrete(x) and not x.committed else x
+    return jax.device_put(x, first.sharding) if concrete(x) and not x.committed else x
 
   return jax.tree.map(commit, tree)
 
 
-def _concrete(x: Any) -> bool:
+def concrete(x: Any) -> bool:
+  """Whether ``x`` is an array with values (not a tracer)."""
   return isinstance(x, jax.Array) and not traced(x)
 
 
@@ -84,9 +82,8 @@ def placed_like(x: Any, like: Any) -> Any:
 def axes_of(param: Any) -> tuple[str, ...]:
   """The mesh axes ``param`` is split over."""
   sharding = getattr(param, "sharding", None)
-  if not isinstance(sharding, NamedSharding):
-    return ()
-  return tuple(a for entry in sharding.spec for a in _axes(entry))
+  spec = sharding.spec if isinstance(sharding, NamedSharding) else ()
+  return tuple(a for entry in spec for a in _checks.axes(entry))
 
 
 def spec_on(mesh: jax.sharding.Mesh, x: Any) -> tuple[Any, ...]:
@@ -101,10 +98,9 @@ def mesh_of(*trees: Any) -> jax.sharding.Mesh | None:
   """The mesh of the first leaf placed with a ``NamedSharding``, if any."""
   for leaf in jax.tree.leaves(trees):
     sharding = getattr(leaf, "sharding", None)
-    if isinstance(sharding, NamedSharding) and isinstance(
-      sharding.mesh, jax.sharding.Mesh
-    ):
-      return sharding.mesh
+    mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
+    if isinstance(mesh, jax.sharding.Mesh):
+      return mesh
   return None
 
 
@@ -113,12 +109,11 @@ def as_returned(tree: Any, inputs: Any) -> Any:
   call hits ``jit``'s cache: on ``inputs``' mesh, specs spelled out to full
   rank without copying (``P()`` returns as ``P(None, None)``, another cache
   key) and arrays on no mesh replicated; else :func:`committed`."""
-  mesh = mesh_of(inputs)
-  if mesh is None:
+  if (mesh := mesh_of(inputs)) is None:
     return committed(tree, inputs)
 
   def place(x: Any) -> Any:
-    if not _concrete(x):
+    if not concrete(x):
       return x
     sharding = x.sharding
     if not isinstance(sharding, NamedSharding):
@@ -134,16 +129,16 @@ def as_returned(tree: Any, inputs: Any) -> Any:
 
 
 def typed_like(x: Any, like: Any) -> jax.Array:
-  """``x`` typed as ``like`` (an array or an abstract value): varying over the
-  same manual axes, and split alike on an ``Explicit`` mesh (an inner state built
-  with ``jnp.zeros(p.shape)`` is replicated; its update may split it)."""
-  types = getattr(like, "manual_axis_type", None)
-  x = varying_over(x, types.varying if types is not None else ())
+  """``x`` typed as ``like`` (an array or an abstract value): in its dtype,
+  varying over the same manual axes, and split alike on an ``Explicit`` mesh (an
+  inner state built with ``jnp.zeros(p.shape)`` is replicated; its update may
+  split it)."""
+  varying = getattr(getattr(like, "manual_axis_type", None), "varying", ())
+  x = _reduction.varying_over(jnp.asarray(x).astype(like.dtype), varying)
   aval = like if isinstance(like, jax.ShapeDtypeStruct) else jax.typeof(like)
   want = getattr(aval, "sharding", None)
   have = getattr(jax.typeof(x), "sharding", None)
   if not (isinstance(want, NamedSharding) and isinstance(have, NamedSharding)):
     return x
-  if have.spec != want.spec and want.mesh.are_all_axes_explicit:
-    x = jax.sharding.reshard(x, want.spec)
-  return x
+  split = have.spec != want.spec and want.mesh.are_all_axes_explicit
+  return jax.sharding.reshard(x, want.spec) if split else x

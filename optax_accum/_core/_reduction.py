@@ -9,6 +9,7 @@ replicated comes back already summed over the data axes: it is counted once
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -136,14 +137,10 @@ class Local(Reduction):
   """No data-parallel axes: weights, losses and gradients are already global."""
 
 
-@dataclasses.dataclass(frozen=True)
 class Replicas(Reduction):
-  """Per-replica values summed over mesh axes ``axes``; with ``at_window_end``
-  gradients stay per-replica partial sums until :meth:`window_gradient`."""
-
-  def __init__(self, axes: AxisName, at_window_end: bool = False):
-    object.__setattr__(self, "axes", _checks.axes(axes))
-    object.__setattr__(self, "at_window_end", at_window_end)
+  """Per-replica values summed over mesh axes ``axes`` (a tuple); with
+  ``at_window_end`` gradients stay per-replica partial sums until
+  :meth:`window_gradient`."""
 
   @property
   def typed(self) -> bool:
@@ -166,7 +163,7 @@ class Replicas(Reduction):
   def _own_once(self, x: Any) -> jax.Array:
     """This replica's share of ``x``: what JAX summed already on the first only."""
     if summed := self.summed_already(x):
-      x = jnp.where(replica_index(summed) == 0, x, jnp.zeros_like(x))
+      x = _on_first(x, summed)
     return self.own(jnp.asarray(x))
 
   def own(self, x: Any) -> jax.Array:
@@ -184,9 +181,8 @@ class Replicas(Reduction):
     return self._own_once(x) if self.at_window_end else self.sum(x)
 
   def window_gradient(self, acc: Any) -> Any:
-    if not self.at_window_end:
-      return acc
-    return jax.tree.map(lambda a: jax.lax.psum(a, self.axes), acc)
+    psum = functools.partial(jax.lax.psum, axis_name=self.axes)
+    return jax.tree.map(psum, acc) if self.at_window_end else acc
 
   def per_window(self) -> Reduction:
     return Replicas(self.axes, at_window_end=True)
@@ -214,11 +210,9 @@ class Replicas(Reduction):
     def combine(x: Any) -> jax.Array:
       x = jnp.asarray(x)
       axes = tuple(a for a in self.axes if a in varying_axes(x) or not self.typed)
-      if not axes:
-        return x
-      if x.dtype == jnp.bool_:
+      if axes and x.dtype == jnp.bool_:
         return jax.lax.pmax(x.astype(jnp.int32), axes) > 0
-      return jax.lax.pmax(x, axes)
+      return jax.lax.pmax(x, axes) if axes else x
 
     return jax.tree.map(combine, tree)
 
@@ -258,10 +252,7 @@ class Deferred(Reduction):
       return x
     parts = jax.typeof(x).sharding.spec.partitions
     out = P(*parts, unreduced=set(self.over))
-
-    def first(v: jax.Array) -> jax.Array:
-      return jnp.where(replica_index(self.over) == 0, v, jnp.zeros_like(v))
-
+    first = functools.partial(_on_first, axes=self.over)
     return jax.shard_map(
       first, mesh=self.mesh, in_specs=P(*parts), out_specs=out, check_vma=False
     )(x)
@@ -277,6 +268,11 @@ def replica_index(axis_name: AxisName) -> jax.Array:
   for axis in _checks.axes(axis_name):
     index = index * jax.lax.axis_size(axis) + jax.lax.axis_index(axis)
   return index
+
+
+def _on_first(x: Any, axes: AxisName) -> jax.Array:
+  """``x`` on the first replica over ``axes``, zeros on the others."""
+  return jnp.where(replica_index(axes) == 0, x, jnp.zeros_like(x))
 
 
 def policy(axis_name: AxisName | None, at_window_end: bool = False) -> Reduction:

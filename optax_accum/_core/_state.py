@@ -12,8 +12,7 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike, DTypeLike
 
-from optax_accum._core import _checks
-from optax_accum._core._reduction import AxisName
+from optax_accum._core import _checks, _hyperparams, _reduction
 
 GradReduction = Literal["mean", "sum", "window_mean"]
 NonFinitePolicy = Literal["skip_window", "skip_micro_batch"]
@@ -166,7 +165,7 @@ class MultiStepsConfig:
   should_skip_update_fn: ShouldSkipUpdateFn | None = None
   accumulator_dtype: DTypeLike | None = None
   grad_reduction: GradReduction = "mean"
-  axis_name: AxisName | None = None
+  axis_name: _reduction.AxisName | None = None
   on_nonfinite: NonFinitePolicy = "skip_window"
   terms: tuple[str, ...] | None = None
   noise_scale: bool = False
@@ -212,10 +211,9 @@ class MultiStepsConfig:
       object.__setattr__(self, "accumulator_dtype", jnp.dtype(dtype))  # Frozen: once.
 
   def _checked_terms(self) -> tuple[str, ...]:
-    terms = self.terms
-    names = (terms,) if isinstance(terms, str) else tuple(terms or ())
+    names = (self.terms,) if isinstance(self.terms, str) else tuple(self.terms or ())
     if not names or not all(isinstance(n, str) for n in names):
-      raise ValueError(f"`terms` must be a tuple of names (str), got {terms!r}.")
+      raise ValueError(f"`terms` must be a tuple of names (str), got {self.terms!r}.")
     if len(set(names)) != len(names):
       raise ValueError(f"`terms` must not repeat a name, got {names!r}.")
     if self.grad_reduction != "mean" or not self.use_grad_mean:
@@ -253,9 +251,7 @@ class MultiStepsConfig:
 
 def check_single_accumulation(inner_state: Any) -> None:
   """Raises ``ValueError`` where ``inner_state`` holds a ``MultiSteps`` state."""
-  kinds = (MultiStepsState, optax.MultiStepsState)
-  nodes = jax.tree.leaves(inner_state, is_leaf=lambda x: isinstance(x, kinds))
-  if any(isinstance(node, kinds) for node in nodes):
+  if _hyperparams.find_states(inner_state, (MultiStepsState, optax.MultiStepsState)):
     raise ValueError(
       "The optimizer already accumulates (a MultiSteps inside it): its windows "
       "would be windows of windows, and the update count wrong. Pass the "
