@@ -67,7 +67,7 @@ def _screened(
   else:
     dtype = jnp.result_type(jax.tree.leaves(state.acc_weight)[0])
     terms = zip(*_per_term(config, grads, weight, None)[:2], strict=True)
-    each = tuple(_whole_term(config, g, w, dtype, reduction) for g, w in terms)
+    each = tuple(_whole(config, g, w, dtype, reduction) for g, w in terms)
     whole = _window.stored(each, config.terms)
   skip, skip_state = config.should_skip_update_fn(whole, state.gradient_step, params)
   if (jnp.result_type(skip), jnp.shape(skip)) != (jnp.bool_, ()):
@@ -79,9 +79,7 @@ def _screened(
   return ~skip, reduction.agree(skip_state)
 
 
-def _whole_term(
-  config: Config, grads: Any, weight: Any, dtype: Any, reduction: Any
-) -> Any:
+def _whole(config: Config, grads: Any, weight: Any, dtype: Any, reduction: Any) -> Any:
   """One term's gradient over replicas, as :func:`_screened` shows it."""
   if config.grad_reduction != "mean":
     return jax.tree.map(reduction.sum, grads)
@@ -124,12 +122,11 @@ def add_micro_batch(
   _checks.check_tree_matches(grads, state.acc_grads, name="updates", ref_name=_ACC_NAME)
   if config.noise_scale and not _noise.measures(state.noise_scale):
     raise ValueError(
-      "This MultiSteps measures the noise scale (noise_scale=True) but `state` "
-      "has no noise_scale field (from an accumulator without it, or restored "
-      "from such a checkpoint). Start measuring at a window's start "
-      "(state.mini_step 0; mid-window the window's first micro-batches would "
-      "be missing from its sums) with state._replace(noise_scale="
-      "opt.init(params).noise_scale)."
+      "This MultiSteps measures the noise scale (noise_scale=True) but `state` has no "
+      "noise_scale field (from an accumulator without it, or restored from such a "
+      "checkpoint). Start measuring at a window's start (state.mini_step 0; mid-window "
+      "the window's first micro-batches would be missing from its sums) with "
+      "state._replace(noise_scale=opt.init(params).noise_scale)."
     )
   counted, skip_state = _screened(config, state, grads, weight, params, reduction)
   grads, weight, loss = _per_term(config, grads, weight, loss)
@@ -270,12 +267,11 @@ def check_extra_args(extra_args: dict[str, Any], loss: Any) -> None:
         f"`{close[0]}=`? Other keyword arguments go to the inner optimizer, "
         "which ignores names it does not take."
       )
-  for name in (WINDOW_WEIGHT, WINDOW_MICRO_STEPS):
-    if name in extra_args:
-      raise ValueError(
-        f"`{name}` is reserved: MultiSteps passes the window's totals to the "
-        "inner optimizer itself."
-      )
+  if reserved := [n for n in (WINDOW_WEIGHT, WINDOW_MICRO_STEPS) if n in extra_args]:
+    raise ValueError(
+      f"`{reserved[0]}` is reserved: MultiSteps passes the window's totals to the "
+      "inner optimizer itself."
+    )
   if loss is not None and "value" in extra_args:
     raise ValueError(
       "Pass `loss=` or `value=`, not both: with `loss=` the inner optimizer "

@@ -109,8 +109,7 @@ def _empty(params: Any, dtype: DTypeLike | None = None) -> Window:
   floats = [d for d in dtypes if jnp.issubdtype(d, jnp.floating)]
   wide = functools.reduce(_wider, floats, jnp.float32)
   # Each field its own buffer: a state is donated leaf by leaf.
-  weight, loss = jnp.zeros([], wide), jnp.zeros([], wide)
-  return Window(jnp.zeros([], jnp.int32), acc, weight, loss)
+  return Window(jnp.zeros([], jnp.int32), acc, jnp.zeros([], wide), jnp.zeros([], wide))
 
 
 def all_finite(*trees: Any) -> jax.Array:
@@ -139,10 +138,9 @@ def _rounded(x: jax.Array, dtype: Any) -> jax.Array:
   a widening one follows, so an overflowing float16 sum would stay finite when the
   window ends in the same program, unlike the stored one. XLA:CPU removes the
   barrier before fusion."""
-  y = x.astype(dtype)
   if jnp.dtype(dtype).itemsize < jnp.dtype(x.dtype).itemsize:
-    y = jax.lax.optimization_barrier(y)
-  return y
+    return jax.lax.optimization_barrier(x.astype(dtype))
+  return x.astype(dtype)
 
 
 def _add(
@@ -164,12 +162,11 @@ def _add(
       return jnp.where(kept.adds, x, jnp.zeros_like(x))
     if weigh:
       raise ValueError(
-        f"{name} is already summed over mesh axis "
-        f"{reduction.summed_already(x)[0]!r} (JAX's autodiff sums the gradient of "
-        "params that enter shard_map replicated), so the per-replica weights "
-        "cannot be applied. Use grad_reduction='sum' with a summed loss, or make "
-        "the params per-replica first: jax.lax.pcast(params, axis, to='varying') "
-        "(make_train_step does this)."
+        f"{name} is already summed over mesh axis {reduction.summed_already(x)[0]!r} "
+        "(JAX's autodiff sums the gradient of params that enter shard_map replicated), "
+        "so the per-replica weights cannot be applied. Use grad_reduction='sum' with a "
+        "summed loss, or make the params per-replica first: jax.lax.pcast(params, "
+        "axis, to='varying') (make_train_step does this)."
       )
     return jnp.where(kept.counted & (total > 0), x, jnp.zeros_like(x))
 
@@ -381,9 +378,8 @@ def reset(window: Terms, ends: ArrayLike) -> Terms:
 
 def has_weight(window: Terms) -> jax.Array:
   """Whether any term has positive weight: the window can apply an update."""
-  if len(window) == 1:
-    return window[0].acc_weight > 0
-  return jnp.any(jnp.stack([p.acc_weight > 0 for p in window]))
+  positive = [p.acc_weight > 0 for p in window]
+  return positive[0] if len(positive) == 1 else jnp.any(jnp.stack(positive))
 
 
 def weight(window: Terms) -> jax.Array:
@@ -393,8 +389,7 @@ def weight(window: Terms) -> jax.Array:
 
 def mean_loss(window: Terms, shares: bool = False) -> jax.Array:
   """The objective so far: the sum of each term's weighted mean loss."""
-  means = [_mean_loss(p, shares) for p in window]
-  return sum(means[1:], means[0])
+  return functools.reduce(jnp.add, (_mean_loss(p, shares) for p in window))
 
 
 def term_metrics(window: Terms, names: tuple[str, ...]) -> dict[str, Any]:

@@ -31,21 +31,24 @@ from jax.sharding import PartitionSpec as P
 
 from optax_accum._core import _checks, _placement, _window
 from optax_accum._core._state import MultiStepsState, StoredNode
-from optax_accum._core._window import Names
 from optax_accum._layouts import _packed
-from optax_accum._layouts._packed import Packed
 
-
-@functools.partial(
-  jax.tree_util.register_dataclass, data_fields=["sums"], meta_fields=["axes"]
+#: What the params must match in :func:`per_replica_like`, as a mismatch's error
+#: names it.
+_SUMS_NAME = (
+  "the state's accumulator (step.init of the params it was made for; a state "
+  "of other params starts from step.init(params))"
 )
+
+
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PerReplica(StoredNode):
   """Per-replica partial sums: ``sums`` laid out as one sum, each leaf with
   a leading axis of replicas, split over the mesh axes ``axes``."""
 
   sums: Any
-  axes: tuple[str, ...]
+  axes: tuple[str, ...] = dataclasses.field(metadata={"static": True})
   contents: ClassVar[str] = (
     "per-replica partial sums (a train step's state on a mesh, from step.init)"
   )
@@ -56,7 +59,7 @@ def to_sum(acc: Any) -> Any:
   match acc:
     case PerReplica():
       return jax.tree.map(lambda a: jnp.sum(a, axis=0, dtype=a.dtype), acc.sums)
-    case Packed():
+    case _packed.Packed():
       return _packed.unpacked(acc)
     case StoredNode():
       return acc.to_sum()  # type: ignore[attr-defined]  # A node new to the library.
@@ -87,7 +90,7 @@ def stored_as(acc: Any, like: Any) -> Any:
         n = replicas(like)
         sums = jax.tree.map(lambda t, a: _first_placed(t, n, a), to_sum(acc), like.sums)
       return PerReplica(sums, like.axes)
-    case Packed():
+    case _packed.Packed():
       raise ValueError("Packed sums are only restored: relayout them to one sum.")
     case StoredNode():
       return like.layout().store(acc, None, None)  # type: ignore[attr-defined]
@@ -96,7 +99,7 @@ def stored_as(acc: Any, like: Any) -> Any:
 
 
 def per_replica_like(
-  mesh: Mesh, axes: tuple[str, ...], sums: Any, params: Any, terms: Names
+  mesh: Mesh, axes: tuple[str, ...], sums: Any, params: Any, terms: _window.Names
 ) -> PerReplica:
   """Shapes of one sum's ``sums`` (one tree per term) stored per replica over
   ``axes``: a leading replica axis split over them, each partial sum split
@@ -110,13 +113,7 @@ def per_replica_like(
 
   trees = _window.per_term(sums, terms)
   for tree in trees:
-    _checks.check_tree_matches(
-      params,
-      tree,
-      name="params",
-      ref_name="the state's accumulator (step.init of the params it was made "
-      "for; a state of other params starts from step.init(params))",
-    )
+    _checks.check_tree_matches(params, tree, name="params", ref_name=_SUMS_NAME)
   stacks = tuple(jax.tree.map(stacked, tree, params) for tree in trees)
   return PerReplica(_window.stored(stacks, terms), axes)
 
@@ -149,11 +146,10 @@ def carried(state: MultiStepsState, given: Any) -> MultiStepsState:
   n = replicas(given)
 
   def stack(t: Any, like: Any) -> Any:
-    out = first_replica(t, n)
     sharding = getattr(jax.typeof(like), "sharding", None)
     if isinstance(sharding, NamedSharding) and not sharding.mesh.empty:
-      out = jax.sharding.reshard(out, sharding)
-    return out
+      return jax.sharding.reshard(first_replica(t, n), sharding)
+    return first_replica(t, n)
 
   sums = jax.tree.map(stack, state.acc_grads, given.sums)
   return state._replace(acc_grads=PerReplica(sums, given.axes))
@@ -191,7 +187,7 @@ def relayout(state: MultiStepsState, like: MultiStepsState) -> MultiStepsState:
   """
   acc = state.acc_grads
   target = None if like is None else like.acc_grads
-  if _same_layout(acc, target):
+  if _structure(acc) == _structure(target):
     return state
   # Outside a trace, no context mesh (under the user's jax.set_mesh, arrays
   # committed to other devices cannot meet): their own shardings place the work.
@@ -209,13 +205,10 @@ def relayout(state: MultiStepsState, like: MultiStepsState) -> MultiStepsState:
     return state._replace(acc_grads=stored_as(acc, target))
 
 
-def _same_layout(acc: Any, target: Any) -> bool:
-  """Whether ``acc`` is in ``target``'s layout, shapes included."""
-
-  def shapes(tree: Any) -> Any:
-    return jax.tree.structure(tree), [np.shape(x) for x in jax.tree.leaves(tree)]
-
-  return shapes(acc) == shapes(target)
+def _structure(tree: Any) -> Any:
+  """``tree``'s structure and its leaves' shapes: the same for two accumulators
+  in one layout, shapes included."""
+  return jax.tree.structure(tree), [np.shape(x) for x in jax.tree.leaves(tree)]
 
 
 def resume_target(state: MultiStepsState, saved: Any) -> MultiStepsState:
@@ -256,8 +249,7 @@ def resume_target(state: MultiStepsState, saved: Any) -> MultiStepsState:
   """
   held = field(saved, "held", None)
   if held is not None:  # A streamed coupled window's micro-batches.
-    held = tuple(jax.tree.map(zeros, list(held), is_leaf=is_array))
-    state = state._replace(held=held)
+    state = state._replace(held=tuple(jax.tree.map(zeros, [*held], is_leaf=is_array)))
   return state._replace(acc_grads=_target(field(saved, "acc_grads"), state.acc_grads))
 
 
@@ -274,9 +266,9 @@ def _target(saved: Any, given: Any) -> Any:
     stacked = jax.tree.map(lambda s: np.zeros((n, *s.shape), s.dtype), shapes)
     axes = given.axes if isinstance(given, PerReplica) else field(saved, "axes", ())
     return PerReplica(stacked, tuple(axes))
-  if _fields_of(saved, Packed, {"groups", "rest"}, set()):
-    sizes = [int(np.prod(np.shape(g))) for g in leaves(field(saved, "groups"))]
-    return _packed.restore_target(shapes, sizes)
+  if _fields_of(saved, _packed.Packed, {"groups", "rest"}, set()):
+    groups = jax.tree.leaves(field(saved, "groups"), is_leaf=is_array)
+    return _packed.restore_target(shapes, [int(np.prod(np.shape(g))) for g in groups])
   return jax.tree.map(zeros, shapes)
 
 
@@ -308,12 +300,8 @@ def field(tree: Any, name: str, *default: Any) -> Any:
 
 
 def is_array(x: Any) -> bool:
+  """Whether ``x`` is an array, or orbax's metadata of one (a shape and a dtype)."""
   return hasattr(x, "shape") and hasattr(x, "dtype")
-
-
-def leaves(tree: Any) -> list[Any]:
-  """``tree``'s arrays (or metadata with a shape and a dtype)."""
-  return jax.tree.leaves(tree, is_leaf=is_array)
 
 
 def zeros(shape: Any) -> np.ndarray:
@@ -324,7 +312,7 @@ def zeros(shape: Any) -> np.ndarray:
 def replicas(acc: Any) -> int:
   """The number of replicas ``acc`` (a :class:`PerReplica` or orbax's metadata of
   one) holds partial sums for."""
-  return int(np.shape(leaves(field(acc, "sums"))[0])[0])
+  return int(np.shape(jax.tree.leaves(field(acc, "sums"), is_leaf=is_array)[0])[0])
 
 
 def first_replica(total: jax.Array, n: int) -> jax.Array:
