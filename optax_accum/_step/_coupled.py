@@ -15,9 +15,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.stages import Lowered
 
-from optax_accum._core import _checks, _reduction, _state
+from optax_accum._core import _checks, _placement, _reduction, _state
 from optax_accum._core._multi_steps import MultiSteps, MultiStepsState
-from optax_accum._core._placement import mesh_of, traced
 from optax_accum._step import _errors
 from optax_accum._step._programs import micro_batch_key
 
@@ -243,7 +242,7 @@ class CoupledStep:
       _state.check_not_holding(opt_state, "a scan-mode step")
       _errors.check_counts_keys(opt_state, rng)
       return self._on_mesh(self._program, params, opt_state, batch, rng)
-    if traced(batch, end_window):
+    if _placement.traced(batch, end_window):
       raise ValueError(
         "A streaming step on a CoupledLoss holds micro-batches between calls, "
         "which a trace cannot: in your own jit or scan use mode='scan'."
@@ -269,9 +268,9 @@ class CoupledStep:
     where it needs one and the caller set none (the program then maps over it);
     ``ValueError`` if there is none."""
     axes, here = self._axes, jax.sharding.get_abstract_mesh()
-    if not axes or set(axes) <= set(here.axis_names) or traced(batch):
+    if not axes or set(axes) <= set(here.axis_names) or _placement.traced(batch):
       return run(params, state, batch, rng)
-    for mesh in map(mesh_of, jax.tree.leaves(batch)):
+    for mesh in map(_placement.mesh_of, jax.tree.leaves(batch)):
       if mesh is not None and set(axes) <= set(mesh.axis_names):
         with jax.set_mesh(mesh):
           return run(params, state, batch, rng)

@@ -13,16 +13,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_accum._core import _checks, _ending, _reduction, _transitions, _window
 from optax_accum._core._backend import compiler_options, two_programs
 from optax_accum._core._hyperparams import get_hyperparams
-from optax_accum._core._multi_steps import MultiSteps
+from optax_accum._core._multi_steps import MultiSteps, MultiStepsConfig, MultiStepsState
 from optax_accum._core._noise import metric as noise_metric
-from optax_accum._core._placement import traced
-from optax_accum._core._state import MultiStepsConfig, MultiStepsState
+from optax_accum._core._placement import concrete, traced
 from optax_accum._layouts import Body, Layout, Sharded, inside, outside, renamed
 
 Metrics = dict[str, Any]
@@ -67,9 +65,15 @@ class Program:
   def __init__(
     self, body: Body, donates: tuple[str, ...], donate: bool, sharded: Sharded | None
   ):
-    flat = renamed(lambda *fields: body(Inputs(*fields)), body)  # What jit logs.
+    fn = renamed(lambda *fields: body(Inputs(*fields)), body)  # What jit logs.
+    if sharded is not None:  # Split: the accumulator, rows and aux; the rest whole.
+      ins = (P(), P(), sharded.acc, P(), sharded.rows, P(), P())
+      outs = Outputs(P(), P(), sharded.acc, P(), P(), sharded.aux)
+      axes = set(sharded.axes)
+      fn = jax.shard_map(
+        fn, mesh=sharded.mesh, in_specs=ins, out_specs=outs, axis_names=axes
+      )
     argnums = tuple(Inputs._fields.index(name) for name in donates) if donate else ()
-    fn = flat if sharded is None else _mapped(flat, sharded)
     jit = functools.partial(jax.jit, fn, donate_argnums=argnums)
     self.nested, options = jit(), compiler_options()
     self.jitted = self.nested if options is None else jit(compiler_options=options)
@@ -78,18 +82,23 @@ class Program:
     self._as_given: dict[Any, Any] = {}
 
   def __call__(self, inputs: Inputs) -> Outputs:
-    if self.jitted is not self.nested and _traced(inputs):  # Options: no walk.
-      return Outputs(*self.nested(*inputs))
+    if self.jitted is not self.nested:  # Options: a traced call runs nested.
+      firsts = [jax.tree.leaves(tree)[:1] for tree in (inputs.params, inputs.batch)]
+      if traced(inputs.counters, firsts):  # Counters, first param, first batch.
+        return Outputs(*self.nested(*inputs))
     return Outputs(*self._for(inputs)(*inputs))
 
   def lower(self, inputs: Inputs) -> jax.stages.Lowered:
     return self._for(inputs).lower(*inputs)
 
   def _for(self, inputs: Inputs) -> Any:
-    """The program for ``inputs``: on a mesh, one returning what it returns of
+    """The program for ``inputs``: on a mesh of several devices (by the counters,
+    placed there with the state: no tree walk), one returning what it returns of
     them (params, the inner state, sums, counters) placed as they came, leaf by
     leaf (else XLA chooses: a replicated norm scale came back split)."""
-    if not _on_a_mesh(inputs):
+    probe = getattr(inputs.counters, "mini_step", None)
+    sharding = _sharding(probe) if concrete(probe) else None
+    if sharding is None or sharding.mesh.size <= 1:
       return self.jitted
     returned = {n: jax.tree.map(_sharding, getattr(inputs, n)) for n in self._returns}
     given = Outputs(None, None, None, None, None, None)._replace(**returned)
@@ -102,33 +111,7 @@ class Program:
 def _sharding(x: Any) -> Any:
   """``x``'s ``NamedSharding``, else ``None`` (the compiler chooses)."""
   sharding = getattr(x, "sharding", None)
-  return sharding if isinstance(sharding, NamedSharding) else None
-
-
-def _on_a_mesh(inputs: Inputs) -> bool:
-  """Whether a call from Python runs on a mesh of several devices, by its
-  counters (placed there with the state; no tree walk)."""
-  probe = getattr(inputs.counters, "mini_step", None)
-  concrete = isinstance(probe, jax.Array) and not traced(probe)
-  sharding = _sharding(probe) if concrete else None
-  return sharding is not None and sharding.mesh.size > 1
-
-
-def _traced(inputs: Inputs) -> bool:
-  """Whether a call is traced: a tracer among counters, first param, first batch."""
-  firsts = [jax.tree.leaves(tree)[:1] for tree in (inputs.params, inputs.batch)]
-  return traced(inputs.counters, firsts)
-
-
-def _mapped(flat: Callable[..., Outputs], sharded: Sharded) -> Callable[..., Outputs]:
-  """``flat`` in a ``shard_map`` splitting the accumulator, rows and ``aux`` as
-  ``sharded`` says; everything else whole."""
-  whole = P()
-  ins = (whole, whole, sharded.acc, whole, sharded.rows, whole, whole)
-  outs = Outputs(whole, whole, sharded.acc, whole, whole, sharded.aux)
-  return jax.shard_map(
-    flat, mesh=sharded.mesh, in_specs=ins, out_specs=outs, axis_names=set(sharded.axes)
-  )
+  return sharding if isinstance(sharding, jax.sharding.NamedSharding) else None
 
 
 class Pair(NamedTuple):
@@ -162,14 +145,13 @@ def _unaliased(inputs: Inputs, donates: tuple[str, ...], *read: Any) -> Inputs:
   read = (*read, *(getattr(inputs, n) for n in Inputs._fields if n not in donates))
   seen = {id(x) for x in jax.tree.leaves(read) if isinstance(x, jax.Array)}
 
-  def fresh(x: Any) -> Any:
+  def once(x: Any) -> Any:
     if isinstance(x, jax.Array) and id(x) in seen:
       return jnp.copy(x)
     seen.add(id(x))
     return x
 
-  fresh_fields = {n: jax.tree.map(fresh, getattr(inputs, n)) for n in donates}
-  return inputs._replace(**fresh_fields)
+  return inputs._replace(**{n: jax.tree.map(once, getattr(inputs, n)) for n in donates})
 
 
 def select(
@@ -186,11 +168,9 @@ def select(
   if unalias and not traced(inputs):  # Accumulate reads the inner state too.
     donates, read = (UPDATE_DONATES, ()) if ends else (ACCUMULATE_DONATES, (inner,))
     inputs = _unaliased(inputs, donates, *read)
-  if not ends:
-    return pair.accumulate, inputs
   if name == "ending" and isinstance(pair.update, TwoPrograms):
     return pair.update.ending, inputs._replace(batch=None, rng=None, end_window=False)
-  return pair.update, inputs
+  return (pair.update if ends else pair.accumulate), inputs
 
 
 def run(pair: Pair, name: str, call: Any, unalias: bool) -> tuple[Any, Any, Outputs]:
@@ -282,18 +262,25 @@ class Bodies:
 
   # -- one micro-batch -------------------------------------------------------
 
-  def _grads(self, params: Any, batch: Any, rng: Any, seen: Any) -> tuple[Any, ...]:
-    """Gradient, loss, weight (by term with terms) and aux of one micro-batch."""
-    axes = self.reduction.axes
+  def _add(
+    self, params: Any, state: State, batch: Any, rng: Any, reduction: Any = None
+  ) -> tuple[State, jax.Array, Any]:
+    """A micro-batch's gradient, loss, weight (by term with terms) and aux, added
+    (by default under the step's ``reduction``); whether it counted, and its aux."""
+    axes, seen = self.reduction.axes, state.micro_batches_seen
     args = (batch,) if rng is None else (batch, micro_batch_key(rng, seen, axes))
-    params = self.reduction.cast_params(params)
+    cast = self.reduction.cast_params(params)
     if self.config.terms is None:
       loss = jax.value_and_grad(self._loss_parts, has_aux=True)
-      (value, (weight, aux)), grads = loss(params, args)
+      (value, (weight, aux)), grads = loss(cast, args)
     else:
-      grads, value, weight, aux = self._term_grads(params, args)
+      grads, value, weight, aux = self._term_grads(cast, args)
     _reduction.check_named_axes(self.config.axis_name, axes, "The train step")
-    return grads, value, weight, aux
+    reduction = self.reduction if reduction is None else reduction
+    added, counted = _transitions.add_micro_batch(
+      self.config, state, grads, params, weight=weight, loss=value, reduction=reduction
+    )
+    return added, counted, aux
 
   def _term_grads(self, params: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """Each term's gradient, value and weight (tuples, in order), a backward pass
@@ -307,19 +294,18 @@ class Bodies:
       return values[i], (values, tuple(terms[n][1] for n in names), aux)
 
     passes = [jax.grad(value, has_aux=True)(params, i) for i in range(len(names))]
-    values, weights, aux = passes[-1][1]  # The same in every pass.
-    return tuple(grad for grad, _ in passes), values, weights, aux
+    # Values, weights and aux: the same in every pass.
+    return tuple(grad for grad, _ in passes), *passes[-1][1]
 
   def _term_parts(self, out: Any) -> tuple[dict[str, Any], Any]:
     """The dict of terms ``{name: (value, weight)}`` and the aux, checked."""
-    names = self.config.terms
     terms, aux = out if self.has_aux and isinstance(out, tuple) else (out, None)
-    if not isinstance(terms, dict) or set(terms) != set(names or ()):
+    if not isinstance(terms, dict) or set(terms) != set(self.config.terms or ()):
       got = sorted(terms) if isinstance(terms, dict) else type(terms).__name__
       want = "({name: (value, weight)}, aux)" if self.has_aux else "a dict"
       raise ValueError(
         f"`loss_fn` must return {want} with one (value, weight) pair per loss "
-        f"term {list(names or ())} (MultiSteps(terms=...)), got {got}."
+        f"term {list(self.config.terms or ())} (MultiSteps(terms=...)), got {got}."
       )
     for name, pair in terms.items():
       if not (isinstance(pair, tuple) and len(pair) == 2):
@@ -346,20 +332,6 @@ class Bodies:
       return (value, rest) if has_aux else (value, (rest, None))
     want = "(loss, (weight, aux))" if has_aux else "(loss, weight)"
     raise ValueError(f"`loss_fn` must return {want} with has_aux={has_aux}, got {got}.")
-
-  def _add(
-    self, params: Any, state: State, batch: Any, rng: Any, reduction: Any = None
-  ) -> tuple[State, jax.Array, Any]:
-    """A micro-batch added (by default under the step's ``reduction``); whether it
-    counted, and its aux."""
-    grads, value, weight, aux = self._grads(
-      params, batch, rng, state.micro_batches_seen
-    )
-    reduction = self.reduction if reduction is None else reduction
-    added, counted = _transitions.add_micro_batch(
-      self.config, state, grads, params, weight=weight, loss=value, reduction=reduction
-    )
-    return added, counted, aux
 
   # -- the programs (Inputs to Outputs) ---------------------------------------
 
@@ -389,8 +361,7 @@ class Bodies:
     accumulator keeps the window's sum (or this replica's partial sum): the next
     window's first micro-batch overwrites it (see _window.add)."""
     ends = _transitions.window_ends(self.config, added, counted, inputs.end_window)
-    window = self.reduction.window_gradient(added.acc_grads)
-    summed = added._replace(acc_grads=window)
+    summed = added._replace(acc_grads=self.reduction.window_gradient(added.acc_grads))
     return self._end(summed, ends, inputs.params, added.acc_grads, aux)
 
   def scan(self, inputs: Inputs) -> Outputs:
@@ -413,15 +384,14 @@ class Bodies:
       return added, aux
 
     added, auxs = jax.lax.scan(body, whole(inputs.counters, None, start), batch)
-    partial_sums = added.acc_grads
-    window = loop.window_gradient(partial_sums)
+    window = loop.window_gradient(added.acc_grads)  # From the partial sums.
     if axes and not partial and not empty:
       streamed = inputs.counters.mini_step > 0
       window = jax.tree.map(
         lambda total, a: total + jnp.where(streamed, a, jnp.zeros_like(a)), window, acc
       )
     summed = added._replace(acc_grads=window, inner_opt_state=inputs.inner)
-    sums = None if empty else partial_sums if partial else window
+    sums = None if empty else added.acc_grads if partial else window
     return self._end(summed, jnp.array(True), params, sums, auxs)
 
   def _end(self, summed: State, ends: Any, params: Any, sums: Any, aux: Any) -> Outputs:
