@@ -137,10 +137,11 @@ class Known(NamedTuple):
   layout: Layout = ONE_SUM  # The layout of the state returned.
   acc: Any = None  # The returned state's accumulator node, compared by identity.
 
-  def returned(self, state: State) -> bool:
-    """Whether ``state`` is the one returned last: its very counter and acc objects."""
+  def returned(self, state: Any) -> bool:
+    """Whether ``state`` is the one returned last: its very counter and acc
+    objects (so a :class:`MultiStepsState`, checked and on the host)."""
     return (
-      state.mini_step is self.mini_step
+      getattr(state, "mini_step", None) is self.mini_step
       and state.gradient_step is self.gradient_step
       and state.acc_grads is self.acc
     )

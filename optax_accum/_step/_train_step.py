@@ -124,17 +124,19 @@ class TrainStep:
         params, state, batch, rng, keep=one_sum
       )
       return Call(params, state, batch, rng, None, layout, own=True, inner_count=count)
+    known, given = self._known, getattr(opt_state, "acc_grads", None)
+    if known is not None and known.returned(opt_state) and not traced(end_window):
+      fresh = ("accumulate", "update") if params is known.params else ("accumulate",)
+      args = (params, opt_state, batch, rng, end_window, known.layout, known)
+      return Call(*args, fresh, given)  # Checked when it was first given.
     _errors.check_state(opt_state)
     # No walk of the state's tree.
     in_trace = traced(opt_state.mini_step, opt_state.gradient_step, end_window)
-    known, given = None if in_trace else self._known, opt_state.acc_grads
-    if known is not None and known.returned(opt_state):
-      fresh = ("accumulate", "update") if params is known.params else ("accumulate",)
-      args = (params, opt_state, batch, rng, end_window, known.layout, known)
-      return Call(*args, fresh, given)
     params, state, layout = self._layouts.arranged(params, opt_state, batch, rng)
-    if not in_trace:  # Else the update program, correct on any micro-step.
-      known = Known(state.mini_step, state.gradient_step, layout=layout)
+    # Traced: no known state, the update program, correct on any micro-step.
+    known = (
+      None if in_trace else Known(state.mini_step, state.gradient_step, layout=layout)
+    )
     return Call(params, state, batch, rng, end_window, layout, known, given=given)
 
   def _chosen(self, call: Call) -> tuple[ProgramName, Known | None]:
@@ -173,7 +175,7 @@ class TrainStep:
       if call.inner_count is None:  # Nothing counts updates: no metric, not 1 a window.
         metrics.pop("update_count")
       return params, state.inner_opt_state, metrics
-    if traced(state.mini_step):  # The layout it was given.
+    if call.known is None:  # Traced: its sums back in the layout they came in.
       return params, carried(state, call.given), metrics
     if known is not None:
       ends, config = name == "update", self.optimizer.config
