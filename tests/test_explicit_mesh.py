@@ -416,3 +416,19 @@ def test_loss_terms_reduce_once_per_window_too(mode):
     assert leading == ({8} if mesh.size == 8 else {toy_lm.VOCAB, toy_lm.WIDTH})
     ends.append(jax.device_get(params))
   assert toy_lm.max_rel_diff(*ends) <= 1e-5
+
+
+def test_params_on_no_mesh_are_placed_before_the_layout_is_chosen():
+  """Scan mode from the inner optimizer's own state, params on one device (not
+  committed) and the window's rows split over an Explicit mesh: the step
+  places the params on the batch's mesh before choosing the layout, so the
+  gradient still stays each device's partial sum and is reduced once, after
+  the loop."""
+  mesh = _mesh("1d")
+  step = optax_accum.make_train_step(_mlp_loss, _adamw(), mode="scan")
+  params = jax.tree.map(jnp.asarray, _params())  # The default device's.
+  window = _window_input(_batches()[0], "scan", mesh)[0]
+  with jax.set_mesh(mesh):
+    compiled = step.lower(params, _adamw().init(params), window).compile()
+  found = [c for c in collectives(compiled.as_text()) if c.bytes > SCALARS]
+  assert found and not any(c.in_loop for c in found), found

@@ -834,3 +834,22 @@ def test_scan_from_the_inner_state_lowers_from_shapes_alone():
   shapes = jax.eval_shape(lambda: (params, tx.init(params), window))
   from_shapes = step.lower(*shapes).as_text()
   assert from_shapes == step.lower(params, tx.init(params), window).as_text()
+
+
+def test_a_call_traced_only_through_params_keeps_no_tracer_on_the_host():
+  """The state the step returned last, closed over by the user's jit while the
+  params are traced: the call is traced (its outputs are), so the host keeps
+  knowing the state it returned, not the trace's values."""
+
+  def loss_fn(params, batch):
+    return ((batch["x"] @ params) ** 2).mean(), jnp.float32(batch["x"].shape[0])
+
+  opt = optax_accum.MultiSteps(optax.sgd(0.1), 3)
+  step = optax_accum.make_train_step(loss_fn, opt, donate=False)
+  params, batch = jnp.ones((2,)), {"x": jnp.ones((4, 2))}
+  params, state, _ = step(params, opt.init(params), batch)
+  known = step._known
+  jax.jit(lambda p: step(p, state, batch)[0])(params)
+  assert step._known is known
+  after = step(params, state, batch)  # The fast path, as before the trace.
+  assert int(after[1].mini_step) == 2

@@ -220,5 +220,6 @@ def compiled_with(options: dict[str, Any] | None) -> Iterator[None]:
     _OPTIONS.reset(token)
 
 
-#: The options of the enclosing :func:`compiled_with` block, if any.
-compiler_options = _OPTIONS.get
+def compiler_options() -> dict[str, Any] | None:
+  """The options of the enclosing :func:`compiled_with` block, if any."""
+  return _OPTIONS.get()

@@ -11,7 +11,6 @@ from optax_accum._layouts._layout import (
   Layout,
   Sharded,
   choose_leaves,
-  micro_batch_like,
   renamed,
 )
 from optax_accum._layouts._packed import Packed
@@ -24,6 +23,7 @@ from optax_accum._layouts._storage import (
   relayout,
   resume_target,
   to_sum,
+  unstacked,
 )
 
 __all__ = (
@@ -39,11 +39,11 @@ __all__ = (
   "for_init",
   "inside",
   "kept",
-  "micro_batch_like",
   "outside",
   "per_replica_like",
   "relayout",
   "renamed",
   "resume_target",
   "to_sum",
+  "unstacked",
 )

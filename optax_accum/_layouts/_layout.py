@@ -27,7 +27,6 @@ from optax_accum._layouts._storage import (
   stored_as,
   sum_shapes,
   to_sum,
-  unstacked,
 )
 
 #: A program body: ``Inputs`` to ``Outputs`` (``_step._programs``).
@@ -168,11 +167,6 @@ def _relaid(mesh: Mesh, axes: tuple[str, ...], acc: Any, inside: bool) -> Any:
     )(x)
 
   return jax.tree.map(relaid, acc)
-
-
-def micro_batch_like(batch: Any) -> Any:
-  """Shapes of one micro-batch of a scan-mode ``batch`` (its first entry)."""
-  return jax.tree.map(unstacked, batch)
 
 
 def renamed(wrapper: Body, body: Body) -> Body:

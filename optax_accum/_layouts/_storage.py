@@ -220,7 +220,8 @@ def resume_target(state: MultiStepsState, saved: Any) -> MultiStepsState:
 
   Args:
     state: The state you would start from where you resume (``step.init(params)``
-      or ``opt.init(params)`` on the devices you resume on).
+      or ``opt.init(params)`` on the devices you resume on; for sums stored
+      in a node new to the library, a state holding such a node).
     saved: The saved optimizer state, or its checkpoint metadata: orbax's
       ``ckpt.metadata(path).item_metadata["opt_state"]`` (anything with the
       saved ``acc_grads``' fields and shapes).

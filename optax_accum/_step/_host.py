@@ -23,8 +23,8 @@ from optax_accum._layouts import (
   for_call,
   inside,
   kept,
-  micro_batch_like,
   per_replica_like,
+  unstacked,
 )
 from optax_accum._step._programs import Bodies, Inputs, Pair, State, counters, programs
 
@@ -53,7 +53,8 @@ class Layouts:
     per-replica partial sums."""
     in_trace = traced(params, state, batch)
     layout = kept(state.acc_grads) if keep else None
-    if not in_trace and (layout is None or self._replica_axes):
+    if not in_trace and (layout is None or self._replica_axes):  # The devices'.
+      params, state = as_returned((params, state), (params, batch))
       layout = self._data_layout(params, state, batch, rng)
     layout = layout or ONE_SUM
     state = self.lay_out(state, layout, params)
@@ -78,7 +79,7 @@ class Layouts:
       if key not in self._chosen:
         sums = jax.eval_shape(self.bodies.optimizer.init, params).acc_grads
         acc = inside(per_replica_like(mesh, axes, sums, params, config.terms))
-        micro_batch = micro_batch_like(batch) if self.scan else batch
+        micro_batch = jax.tree.map(unstacked, batch) if self.scan else batch
         inputs = Inputs(params, None, acc, counters(opt_state), micro_batch, rng)
 
         def fits(chosen: Layout) -> bool:

@@ -294,8 +294,8 @@ class Bodies:
       return values[i], (values, tuple(terms[n][1] for n in names), aux)
 
     passes = [jax.grad(value, has_aux=True)(params, i) for i in range(len(names))]
-    # Values, weights and aux: the same in every pass.
-    return tuple(grad for grad, _ in passes), *passes[-1][1]
+    values, weights, aux = passes[-1][1]  # The same in every pass.
+    return tuple(grad for grad, _ in passes), values, weights, aux
 
   def _term_parts(self, out: Any) -> tuple[dict[str, Any], Any]:
     """The dict of terms ``{name: (value, weight)}`` and the aux, checked."""

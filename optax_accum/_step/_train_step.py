@@ -175,7 +175,7 @@ class TrainStep:
       if call.inner_count is None:  # Nothing counts updates: no metric, not 1 a window.
         metrics.pop("update_count")
       return params, state.inner_opt_state, metrics
-    if call.known is None:  # Traced: its sums back in the layout they came in.
+    if traced(state.mini_step):  # Traced: its sums back in the layout they came in.
       return params, carried(state, call.given), metrics
     if known is not None:
       ends, config = name == "update", self.optimizer.config
