@@ -158,8 +158,8 @@ def _update(carry: _Carry, output: Any, index: Any) -> _Carry:
   """``carry`` with one micro-batch's ``(value, weight)`` added."""
   value, weight = _pair(output)
   one = (carry.window,)
-  kept = _window.admit(one, (value,), (None,), (weight,), reduction=_LOCAL)
-  (window,) = _window.add(one, (value,), (None,), kept, reduction=_LOCAL)
+  admitted = _window.admit(one, (value,), (None,), (weight,), reduction=_LOCAL)
+  (window,) = _window.add(one, (value,), (None,), admitted, reduction=_LOCAL)
   negative = carry.negative + (jnp.asarray(weight) < 0).astype(jnp.int32)
   return dataclasses.replace(carry, window=window, negative=negative)
 

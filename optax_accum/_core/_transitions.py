@@ -133,10 +133,10 @@ def add_micro_batch(
   window = window_of(config, state)
   drop = config.on_nonfinite == "skip_micro_batch"
   policy = dict(reduction=reduction, counted=counted, drop_nonfinite=drop)
-  kept = _window.admit(window, grads, loss, weight, **policy)
+  admitted = _window.admit(window, grads, loss, weight, **policy)
   weigh = config.grad_reduction == "mean"
-  window = _window.add(window, grads, loss, kept, reduction=reduction, weigh=weigh)
-  dropped = kept[0].dropped  # By its weight or its values, in every term.
+  window = _window.add(window, grads, loss, admitted, reduction=reduction, weigh=weigh)
+  dropped = admitted[0].dropped  # By its weight or its values, in every term.
   if config.grad_reduction == "window_mean":  # Shares of the whole window's mean.
     window = _window.spoil(window, dropped)
   seen = jnp.asarray(state.micro_batches_seen, jnp.int32)

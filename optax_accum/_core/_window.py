@@ -269,15 +269,15 @@ def admit(
 
   def one(part: Window, grads: Any, loss: Any, weight: Any) -> Admission:
     w = _checks.scalar(weight, name="weight", dtype=part.acc_weight.dtype)
-    w, seen = reduction.own(w), jnp.asarray(counted)
+    w, is_counted = reduction.own(w), jnp.asarray(counted)
     shards = (w, part.acc_weight)
-    dropped = reduction.any(seen & ~(jnp.isfinite(w) & (w >= 0)), shards)
-    adds = seen & ~dropped & (w > 0)
+    dropped = reduction.any(is_counted & ~(jnp.isfinite(w) & (w >= 0)), shards)
+    adds = is_counted & ~dropped & (w > 0)
     if drop_nonfinite:
       finite = all_finite(grads, () if loss is None else loss)
       bad = reduction.any(adds & ~finite, shards)
-      adds, dropped = adds & ~bad, dropped | (seen & bad)
-    return Admission(jnp.where(adds, w, jnp.zeros_like(w)), adds, seen, dropped)
+      adds, dropped = adds & ~bad, dropped | (is_counted & bad)
+    return Admission(jnp.where(adds, w, jnp.zeros_like(w)), adds, is_counted, dropped)
 
   each = tuple(one(*t) for t in zip(window, grads, loss, weight, strict=True))
   if len(each) == 1:
